@@ -1,0 +1,236 @@
+"""The decode loops: `ar` (the reference) and `orthrus` (draft -> verify -> accept -> commit).
+
+Both loops share prefill, stopping and commit, so they differ only in how a cycle proposes tokens.
+State travels in `DecodeState`; `commit` is the one place that appends tokens, applies EOS and
+max_new_tokens, and crops the cache (through `model.commit_cache`, which checks the invariant
+"cache holds every committed token but the last").
+
+This module does not know about tokenizers, chat templates or files.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from .errors import LosslessError
+from .model import OrthrusLM, commit_cache
+from .sampling import SamplingConfig, argmax, sample
+
+MODES = ("ar", "orthrus")
+
+
+@dataclass
+class DecodeConfig:
+    max_new_tokens: int = 128
+    k: int | None = None  # block size; None = the head's k
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    eos_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class DecodeStats:
+    steps: int = 0  # decode cycles after prefill (ar: single-token forwards; orthrus: draft+verify cycles)
+    forwards: int = 0  # every model forward, prefill included
+    new_tokens: int = 0
+    seconds: float = 0.0
+    accepted: list[int] = field(default_factory=list)  # drafts accepted per orthrus cycle
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens committed per cycle (the prefill's first token is not a cycle's)."""
+        return (self.new_tokens - 1) / self.steps if self.steps else float(self.new_tokens > 0)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.new_tokens / self.forwards if self.forwards else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "forwards": self.forwards,
+            "new_tokens": self.new_tokens,
+            "tokens_per_step": round(self.tokens_per_step, 4),
+            "tokens_per_forward": round(self.tokens_per_forward, 4),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "seconds": round(self.seconds, 4),
+            "accepted": list(self.accepted),
+        }
+
+
+@dataclass
+class DecodeState:
+    tokens: list[int]  # committed ids: prompt + generated
+    n_prompt: int
+    cache: object = None
+    finished: str | None = None  # "eos" | "length" once done
+    stats: DecodeStats = field(default_factory=DecodeStats)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.n_prompt:]
+
+
+@dataclass
+class GenerationOutput:
+    text: str
+    token_ids: list[int]  # generated ids only
+    stats: dict
+    prompt_ids: list[int]
+    finish_reason: str | None
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats,
+                "finish_reason": self.finish_reason, "prompt_tokens": len(self.prompt_ids)}
+
+
+class Drafter(Protocol):
+    def __call__(self, model: OrthrusLM, state: DecodeState, k: int, sampling: SamplingConfig,
+                 generator: torch.Generator) -> tuple[list[int], torch.Tensor | None]:
+        """Propose k-1 draft ids (and their sampling distributions q [k-1, V] when sampling)."""
+
+
+def model_drafter(model, state, k, sampling, generator):
+    """The draft view: one forward over [last token, MASK x (k-1)]."""
+    logits = model.draft(state.cache, state.tokens[-1], k)  # [k-1, V]
+    state.stats.forwards += 1
+    if sampling.greedy:
+        return argmax(logits).tolist(), None
+    q = sampling.probs(logits)
+    return [sample(q[j], generator) for j in range(q.shape[0])], q
+
+
+# ------------------------------------------------------------------------------------------ shared phases
+def validate(model: OrthrusLM, prompt_ids: list[int], cfg: DecodeConfig, mode: str) -> int:
+    """Check the request; return the block size k to use."""
+    if mode not in MODES:
+        raise LosslessError(f"unknown mode '{mode}': choose one of {', '.join(MODES)}")
+    if not prompt_ids:
+        raise LosslessError("the prompt is empty: give some text to continue")
+    if cfg.max_new_tokens < 1:
+        raise LosslessError("--max-new-tokens must be >= 1")
+    if len(prompt_ids) + cfg.max_new_tokens > model.max_positions:
+        raise LosslessError(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the model's "
+            f"context of {model.max_positions}: shorten the prompt or lower --max-new-tokens"
+        )
+    k = model.k if cfg.k is None else int(cfg.k)
+    if not 1 <= k <= model.k:
+        raise LosslessError(f"--k must be between 1 and the head's k ({model.k}), got {k}")
+    return k
+
+
+def prefill(model: OrthrusLM, prompt_ids: list[int], cfg: DecodeConfig, generator) -> DecodeState:
+    """Phase 0: run the prompt, commit the first token from its last logits."""
+    state = DecodeState(tokens=list(prompt_ids), n_prompt=len(prompt_ids))
+    state.cache, logits = model.prefill(prompt_ids)
+    state.stats.forwards += 1
+    first = int(argmax(logits)) if cfg.sampling.greedy else sample(cfg.sampling.probs(logits), generator)
+    commit(state, [first], cfg)
+    return state
+
+
+def commit(state: DecodeState, new_tokens: list[int], cfg: DecodeConfig) -> list[int]:
+    """Append tokens up to EOS (kept) or max_new_tokens; crop the cache; return what was committed."""
+    kept: list[int] = []
+    for tok in new_tokens:
+        state.tokens.append(int(tok))
+        kept.append(int(tok))
+        if tok in cfg.eos_ids:
+            state.finished = "eos"
+            break
+        if len(state.generated) >= cfg.max_new_tokens:
+            state.finished = "length"
+            break
+    commit_cache(state.cache, len(state.tokens))
+    state.stats.new_tokens = len(state.generated)
+    return kept
+
+
+# ----------------------------------------------------------------------------------------------- cycles
+def ar_cycle(model: OrthrusLM, state: DecodeState, cfg: DecodeConfig, generator) -> list[int]:
+    """One AR step: feed the last token, choose the next."""
+    logits = model.step(state.cache, state.tokens[-1])
+    state.stats.forwards += 1
+    tok = int(argmax(logits)) if cfg.sampling.greedy else sample(cfg.sampling.probs(logits), generator)
+    return commit(state, [tok], cfg)
+
+
+def accept_greedy(drafts: list[int], logits: torch.Tensor) -> tuple[int, int]:
+    """Longest prefix of drafts equal to the AR argmax, and the AR token after it.
+
+    logits [k, V]: row j is the AR distribution for the token after block position j.
+    """
+    targets = argmax(logits)  # [k]
+    if drafts:
+        matches = torch.tensor(drafts, device=targets.device) == targets[: len(drafts)]
+        n_accepted = int(matches.to(torch.int64).cumprod(0).sum())
+    else:
+        n_accepted = 0
+    return n_accepted, int(targets[n_accepted])
+
+
+def accept_sampling(drafts: list[int], q: torch.Tensor, p: torch.Tensor, generator) -> tuple[int, int]:
+    """Speculative rejection sampling: accept draft x with prob min(1, p(x)/q(x)); on rejection sample
+    from normalize(max(0, p - q)); after a full accept sample the bonus token from p. p [k, V], q [k-1, V]."""
+    for j, x in enumerate(drafts):
+        ratio = (p[j, x] / q[j, x]).clamp(max=1.0)
+        u = torch.rand((), generator=generator, device=p.device)
+        if u < ratio:
+            continue
+        residual = (p[j] - q[j]).clamp(min=0)
+        if float(residual.sum()) <= 0:  # p == q numerically: any draw from p is exact
+            residual = p[j]
+        return j, sample(residual / residual.sum(), generator)
+    return len(drafts), sample(p[len(drafts)], generator)
+
+
+def orthrus_cycle(model: OrthrusLM, state: DecodeState, cfg: DecodeConfig, k: int, generator,
+                  drafter: Drafter = model_drafter) -> list[int]:
+    """One Orthrus cycle: draft -> verify -> accept -> commit."""
+    k = min(k, cfg.max_new_tokens - len(state.generated))  # never draft past max_new_tokens
+    # 1. draft: k-1 proposals from one pass of the draft view (nothing to draft when k == 1)
+    drafts, q = drafter(model, state, k, cfg.sampling, generator) if k > 1 else ([], None)
+    # 2. verify: the AR view scores [last token, drafts...] in one forward, appending to the cache
+    logits = model.verify(state.cache, [state.tokens[-1], *drafts])  # [k, V]
+    state.stats.forwards += 1
+    # 3. accept: longest agreeing prefix (greedy) or rejection sampling, plus one AR token
+    if cfg.sampling.greedy:
+        n_accepted, bonus_token = accept_greedy(drafts, logits)
+    else:
+        n_accepted, bonus_token = accept_sampling(drafts, q, cfg.sampling.probs(logits), generator)
+    state.stats.accepted.append(n_accepted)
+    # 4. commit: accepted drafts + the AR token; crop the cache back to the committed length
+    return commit(state, [*drafts[:n_accepted], bonus_token], cfg)
+
+
+# --------------------------------------------------------------------------------------------- the loop
+def decode(model: OrthrusLM, prompt_ids: list[int], mode: str = "orthrus", cfg: DecodeConfig | None = None,
+           on_tokens: Callable[[list[int]], None] | None = None, drafter: Drafter = model_drafter) -> DecodeState:
+    """Generate from `prompt_ids` with `mode` ("ar" or "orthrus"). `on_tokens` gets each committed chunk."""
+    cfg = cfg or DecodeConfig()
+    if not cfg.eos_ids:
+        cfg = DecodeConfig(cfg.max_new_tokens, cfg.k, cfg.sampling, tuple(model.eos_token_ids()))
+    k = validate(model, prompt_ids, cfg, mode)
+    generator = cfg.sampling.generator(model.device)
+    start = time.perf_counter()
+    state = prefill(model, prompt_ids, cfg, generator)
+    if on_tokens:
+        on_tokens(state.generated)
+    while state.finished is None:
+        if mode == "ar":
+            new = ar_cycle(model, state, cfg, generator)
+        else:
+            new = orthrus_cycle(model, state, cfg, k, generator, drafter)
+        state.stats.steps += 1
+        if on_tokens:
+            on_tokens(new)
+    state.stats.seconds = time.perf_counter() - start
+    return state

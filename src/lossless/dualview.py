@@ -1,0 +1,167 @@
+"""The dual-view attention: a second, trainable set of attention projections on a frozen backbone.
+
+Every decoder layer's attention module gets `q_proj_diff`, `k_proj_diff`, `v_proj_diff`, `o_proj_diff`
+(and `q_norm_diff`, `k_norm_diff` where the backbone has per-head q/k norms). The module's class is
+swapped for a subclass of the backbone's own attention class that adds one branch: when called with
+`orthrus_draft=DraftSpec(...)` it runs the *draft view* — block queries/keys/values from the diff
+projections, attending to the cached AR keys/values (read, never written) and bidirectionally to the
+block itself. Without that keyword the backbone's forward runs unchanged, so the AR view is exactly
+the Hugging Face model.
+
+This module owns the attention branch and the installation of diff parameters. It does not know about
+decoding loops, head files or training objectives.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+DIFF_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+DIFF_NORM = ("q_norm", "k_norm")
+
+
+@dataclass
+class DraftSpec:
+    """How the draft view of one forward pass sees the cache.
+
+    `context_mask` is None at inference: every cached position and every block position is visible.
+    In training it is an additive float mask `[1, 1, q, n_ctx + q]` (0 = visible, -inf = hidden) that
+    lets each block see AR keys strictly before its anchor and its own block bidirectionally.
+    `context` optionally replaces the cache as the source of AR keys/values: a list over layers of
+    `(keys, values)`, each `[b, kv_heads, n_ctx, head_dim]`.
+    """
+
+    context_mask: torch.Tensor | None = None
+    context: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+class DualViewAttentionMixin:
+    """Adds the draft view to a backbone attention class; the AR view is the parent's forward."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        draft = kwargs.pop("orthrus_draft", None)
+        if draft is None:
+            return super().forward(
+                hidden_states,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                cache=cache,
+                **kwargs,
+            )
+        return self._draft_forward(hidden_states, position_embeddings, cache, draft)
+
+    def _project_diff(self, hidden_states: torch.Tensor, name: str) -> torch.Tensor:
+        """[b, q, d] -> [b, heads, q, head_dim] through the diff projection (and diff norm if any)."""
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        states = getattr(self, f"{name}_proj_diff")(hidden_states).view(shape)
+        norm = getattr(self, f"{name}_norm_diff", None)
+        if norm is not None:
+            states = norm(states)
+        return states.transpose(1, 2)
+
+    def _draft_forward(self, hidden_states, position_embeddings, cache, draft: DraftSpec):
+        query = self._project_diff(hidden_states, "q")
+        key = self._project_diff(hidden_states, "k")
+        value = self._project_diff(hidden_states, "v")
+        cos, sin = position_embeddings
+        query, key = self._orthrus_rotary(query, key, cos, sin)
+
+        # Context: the AR view's keys/values of committed tokens. Read only; the draft never writes.
+        if draft.context is not None:
+            ctx_k, ctx_v = draft.context[self.layer_idx]
+        elif cache is not None and cache.get_seq_length(self.layer_idx) > 0:
+            layer = cache.layers[self.layer_idx]
+            ctx_k, ctx_v = layer.keys, layer.values
+        else:
+            ctx_k = ctx_v = None
+        if ctx_k is not None:
+            key = torch.cat([ctx_k.to(key.dtype), key], dim=2)
+            value = torch.cat([ctx_v.to(value.dtype), value], dim=2)
+
+        mask = draft.context_mask
+        if mask is not None:
+            mask = mask.to(query.dtype)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, _eager_attention)
+        out, _ = attention(self, query, key, value, mask, dropout=0.0, scaling=self.scaling, is_causal=False)
+        out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
+        return self.o_proj_diff(out), None
+
+
+def _eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Plain softmax attention with GQA; used only if the backbone names no registered kernel."""
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _dual_view_class(base: type) -> type:
+    """The subclass `DualView<Base>` of a backbone attention class, created once per base class."""
+    if base not in _SUBCLASSES:
+        rotary = getattr(inspect.getmodule(base), "apply_rotary_pos_emb", None)
+        if rotary is None:
+            raise TypeError(f"{base.__name__}: its module defines no apply_rotary_pos_emb; backbone unsupported")
+        _SUBCLASSES[base] = type(
+            f"DualView{base.__name__}",
+            (DualViewAttentionMixin, base),
+            {"_orthrus_rotary": staticmethod(rotary)},
+        )
+    return _SUBCLASSES[base]
+
+
+def attention_modules(backbone: nn.Module) -> list[nn.Module]:
+    """The self-attention module of every decoder layer, in layer order."""
+    layers = backbone.model.layers
+    return [layer.self_attn for layer in layers]
+
+
+def install_dual_view(backbone: nn.Module) -> None:
+    """Add diff parameters (copies of the AR ones) to every attention module, in place.
+
+    The backbone's own parameters are untouched and frozen; the diff parameters require grad.
+    """
+    for p in backbone.parameters():
+        p.requires_grad_(False)
+    for attn in attention_modules(backbone):
+        if isinstance(attn, DualViewAttentionMixin):
+            continue
+        attn.__class__ = _dual_view_class(type(attn))
+        for name in DIFF_PROJ + DIFF_NORM:
+            source = getattr(attn, name, None)
+            if source is None:
+                continue
+            diff = copy.deepcopy(source)
+            for p in diff.parameters():
+                p.requires_grad_(True)
+            setattr(attn, f"{name}_diff", diff)
+
+
+def diff_parameters(backbone: nn.Module) -> dict[str, nn.Parameter]:
+    """Draft-head parameters by head-file name: `layers.{i}.{q,k,v,o}_proj_diff.weight`, ..."""
+    params: dict[str, nn.Parameter] = {}
+    for i, attn in enumerate(attention_modules(backbone)):
+        for name in DIFF_PROJ + DIFF_NORM:
+            module = getattr(attn, f"{name}_diff", None)
+            if module is None:
+                continue
+            for pname, p in module.named_parameters():
+                params[f"layers.{i}.{name}_diff.{pname}"] = p
+    return params
+
+
+def backbone_parameters(backbone: nn.Module) -> dict[str, nn.Parameter]:
+    """The frozen AR parameters (everything that is not a diff parameter)."""
+    return {n: p for n, p in backbone.named_parameters() if "_diff." not in n}

@@ -1,0 +1,99 @@
+"""Draft-head files: the diff parameters (+ mask embedding) as safetensors, with a JSON config.
+
+A head is a directory holding `head.safetensors` and `head.json`. The JSON records the block size `k`,
+the mask token (or that a learned mask embedding is used), the format version, and a fingerprint of
+the backbone the head was made for; loading a head onto another backbone is refused. The head's
+training recipe, when there is one, is kept in the JSON under `"training"`.
+
+This module knows file layout and identity checks. It does not know how heads are trained or used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .errors import LosslessError
+
+FORMAT_VERSION = 1
+HEAD_WEIGHTS = "head.safetensors"
+HEAD_CONFIG = "head.json"
+
+
+@dataclass
+class HeadConfig:
+    """What a head file says about itself."""
+
+    k: int
+    backbone_fingerprint: str
+    mask_token_id: int | None = None
+    format_version: int = FORMAT_VERSION
+    backbone: str = ""
+    trained: bool = False
+    training: dict = field(default_factory=dict)
+
+
+def backbone_fingerprint(backbone: nn.Module) -> str:
+    """A hash that identifies the backbone's architecture and weights, independent of compute dtype.
+
+    Hashes the config's shape fields and, for every non-diff parameter, its name, shape and a strided
+    sample of up to 4096 values rounded to bf16 (so fp32, bf16 and fp16 copies of one model agree).
+    """
+    cfg = backbone.config
+    h = hashlib.sha256()
+    fields = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "intermediate_size", "vocab_size", "head_dim")
+    h.update(json.dumps({f: getattr(cfg, f, None) for f in fields}, sort_keys=True).encode())
+    for name, p in sorted(backbone.named_parameters()):
+        if "_diff." in name:
+            continue
+        flat = p.detach().reshape(-1)
+        stride = max(1, flat.numel() // 4096)
+        sample = flat[::stride][:4096].to(torch.bfloat16).to(torch.float32).cpu().contiguous()
+        h.update(name.encode())
+        h.update(str(tuple(p.shape)).encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def save_head(path: str | Path, tensors: dict[str, torch.Tensor], config: HeadConfig) -> Path:
+    """Write `tensors` and `config` to the head directory `path` (created if needed)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cpu = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
+    tmp = path / (HEAD_WEIGHTS + ".tmp")
+    save_file(cpu, str(tmp), metadata={"format_version": str(config.format_version)})
+    tmp.replace(path / HEAD_WEIGHTS)
+    (path / HEAD_CONFIG).write_text(json.dumps(asdict(config), indent=2) + "\n")
+    return path
+
+
+def load_head(path: str | Path) -> tuple[dict[str, torch.Tensor], HeadConfig]:
+    """Read a head directory (or the path of its safetensors file); raise LosslessError if unusable."""
+    path = Path(path)
+    if path.is_file():
+        path = path.parent
+    weights, cfg_file = path / HEAD_WEIGHTS, path / HEAD_CONFIG
+    if not weights.exists() or not cfg_file.exists():
+        raise LosslessError(f"no head at {path}: expected {HEAD_WEIGHTS} and {HEAD_CONFIG} in that directory")
+    try:
+        raw = json.loads(cfg_file.read_text())
+        config = HeadConfig(**raw)
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise LosslessError(f"corrupt head config {cfg_file}: {exc}; re-train or re-download the head") from None
+    if config.format_version != FORMAT_VERSION:
+        raise LosslessError(
+            f"head {path} has format version {config.format_version}; this lossless reads version {FORMAT_VERSION}"
+        )
+    try:
+        tensors = load_file(str(weights))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise LosslessError(f"corrupt head file {weights}: {exc}; re-train or re-download the head") from None
+    return tensors, config

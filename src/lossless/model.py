@@ -1,0 +1,233 @@
+"""`OrthrusLM`: a frozen Hugging Face causal LM with a draft view, and its three forward passes.
+
+- `prefill(ids)`: the AR view over the prompt; returns a fresh KV cache and the last position's logits.
+- `verify(cache, block_ids)`: the AR view over a block, appending the block to the cache.
+- `draft(cache, last_token, k)`: the draft view over `[last_token, MASK x (k-1)]`; reads the cache,
+  never writes it, and returns the k-1 draft logits.
+
+Positions are always passed explicitly (`pos` = absolute position of a block's first token) so the
+cache length is the only state, and `commit_cache` is the one function that shortens it.
+
+This module does not know decoding policy (acceptance, sampling, stopping); see `decoding.py`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from . import head as headfile
+from .dtypes import dtype_name
+from .dualview import DraftSpec, backbone_parameters, diff_parameters, install_dual_view
+from .errors import LosslessError
+
+
+class OrthrusLM(nn.Module):
+    """A backbone with the dual view installed, plus its tokenizer and head identity.
+
+    `k` is the head's block size (drafts per cycle = k - 1). When `mask_token_id` is None the block's
+    mask positions use the learned `mask_embedding` (initialised to the mean token embedding).
+    """
+
+    def __init__(self, backbone: nn.Module, tokenizer=None, *, k: int = 8, mask_token_id: int | None = None,
+                 name: str = "", attn: str = "sdpa"):
+        super().__init__()
+        install_dual_view(backbone)
+        self.backbone = backbone
+        self.tokenizer = tokenizer
+        self.name = name or getattr(backbone.config, "_name_or_path", "")
+        self.attn = attn
+        self.k = int(k)
+        self.mask_token_id = mask_token_id
+        self.fingerprint = headfile.backbone_fingerprint(backbone)
+        emb = backbone.get_input_embeddings().weight
+        if mask_token_id is None:
+            self.mask_embedding = nn.Parameter(emb.detach().float().mean(0).to(emb.dtype).clone())
+        else:
+            self.mask_embedding = None
+        self.head_info = headfile.HeadConfig(k=self.k, backbone_fingerprint=self.fingerprint,
+                                             mask_token_id=mask_token_id, backbone=self.name)
+        self.eval()
+
+    # ----------------------------------------------------------------------------------------- identity
+    @property
+    def config(self):
+        return self.backbone.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.backbone.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.backbone.get_input_embeddings().weight.dtype
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(str(self.dtype).removeprefix("torch."))
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 1 << 30))
+
+    def eos_token_ids(self) -> list[int]:
+        """Every EOS id the model declares: generation config, model config and tokenizer."""
+        ids: list[int] = []
+        sources = [getattr(self.backbone, "generation_config", None), self.config]
+        for src in sources:
+            value = getattr(src, "eos_token_id", None) if src is not None else None
+            if value is None:
+                continue
+            ids.extend(value if isinstance(value, (list, tuple)) else [value])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return sorted({int(i) for i in ids})
+
+    # ------------------------------------------------------------------------------------------- head
+    def head_parameters(self) -> dict[str, nn.Parameter]:
+        """Trainable draft-head parameters by head-file name."""
+        params = dict(diff_parameters(self.backbone))
+        if self.mask_embedding is not None:
+            params["mask_embedding"] = self.mask_embedding
+        return params
+
+    def backbone_parameters(self) -> dict[str, nn.Parameter]:
+        return backbone_parameters(self.backbone)
+
+    def save_head(self, path: str | Path, training: dict | None = None) -> Path:
+        info = headfile.HeadConfig(**{**self.head_info.__dict__})
+        if training is not None:
+            info.trained, info.training = True, training
+        return headfile.save_head(path, self.head_parameters(), info)
+
+    def load_head(self, path: str | Path) -> None:
+        tensors, info = headfile.load_head(path)
+        self.load_head_tensors(tensors, info, source=str(path))
+
+    def load_head_tensors(self, tensors: dict[str, torch.Tensor], info: headfile.HeadConfig, source: str = "") -> None:
+        if info.backbone_fingerprint != self.fingerprint:
+            raise LosslessError(
+                f"head {source} was made for another backbone ({info.backbone or info.backbone_fingerprint}); "
+                f"train one for {self.name} or pass the matching --model"
+            )
+        params = self.head_parameters()
+        missing = sorted(set(params) - set(tensors))
+        unexpected = sorted(set(tensors) - set(params))
+        if missing or unexpected:
+            raise LosslessError(f"corrupt head {source}: missing {missing[:3]} unexpected {unexpected[:3]}")
+        with torch.no_grad():
+            for name, p in params.items():
+                t = tensors[name]
+                if t.shape != p.shape:
+                    raise LosslessError(f"corrupt head {source}: {name} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+                p.copy_(t.to(p.dtype))
+        self.k, self.head_info = int(info.k), info
+
+    # ---------------------------------------------------------------------------------------- forwards
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    def _lm_forward(self, ids: torch.Tensor, pos: int, cache: DynamicCache) -> torch.Tensor:
+        """AR view over `ids` [1, q] at positions pos..pos+q-1, appending to `cache`. Returns logits [q, V]."""
+        position_ids = torch.arange(pos, pos + ids.shape[1], device=self.device).unsqueeze(0)
+        out = self.backbone(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True)
+        return out.logits[0]
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids: list[int]) -> tuple[DynamicCache, torch.Tensor]:
+        """Run the prompt through the AR view. Returns (cache holding the prompt, last-position logits [V])."""
+        cache = self.new_cache()
+        ids = torch.tensor([prompt_ids], device=self.device)
+        logits = self._lm_forward(ids, 0, cache)
+        return cache, logits[-1]
+
+    @torch.no_grad()
+    def verify(self, cache: DynamicCache, block_ids: list[int]) -> torch.Tensor:
+        """AR view over `block_ids`, which start at position cache length. Returns logits [len(block), V]."""
+        pos = cache.get_seq_length()
+        ids = torch.tensor([block_ids], device=self.device)
+        return self._lm_forward(ids, pos, cache)
+
+    @torch.no_grad()
+    def step(self, cache: DynamicCache, token: int) -> torch.Tensor:
+        """One AR decoding step: feed `token` at position cache length. Returns next-token logits [V]."""
+        return self.verify(cache, [token])[-1]
+
+    def block_embeddings(self, anchor_ids: torch.Tensor, k: int) -> torch.Tensor:
+        """Embeddings of blocks `[anchor, MASK x (k-1)]`: anchor_ids [n] -> [1, n*k, d]."""
+        embed = self.backbone.get_input_embeddings()
+        anchors = embed(anchor_ids)  # [n, d]
+        if self.mask_embedding is not None:
+            mask = self.mask_embedding.to(anchors.dtype)
+        else:
+            mask = embed.weight[self.mask_token_id]
+        n = anchor_ids.shape[0]
+        masks = mask.expand(n, k - 1, -1)  # [n, k-1, d]
+        block = torch.cat([anchors[:, None], masks], dim=1)  # [n, k, d]
+        return block.reshape(1, n * k, -1)
+
+    def draft_hidden(self, embeds: torch.Tensor, position_ids: torch.Tensor, cache=None,
+                     spec: DraftSpec | None = None) -> torch.Tensor:
+        """Draft view over block embeddings [1, q, d] at `position_ids` [1, q]. Returns logits [q, V]."""
+        out = self.backbone.model(inputs_embeds=embeds, position_ids=position_ids, cache=cache, use_cache=False,
+                                  orthrus_draft=spec or DraftSpec())
+        return self.backbone.lm_head(out.last_hidden_state)[0]
+
+    @torch.no_grad()
+    def draft(self, cache: DynamicCache, last_token: int, k: int) -> torch.Tensor:
+        """Draft k-1 tokens after `last_token` (position = cache length). Returns logits [k-1, V]."""
+        pos = cache.get_seq_length()
+        length_before = pos
+        embeds = self.block_embeddings(torch.tensor([last_token], device=self.device), k)
+        position_ids = torch.arange(pos, pos + k, device=self.device).unsqueeze(0)
+        logits = self.draft_hidden(embeds, position_ids, cache)
+        assert cache.get_seq_length() == length_before, "the draft pass must not write the cache"
+        return logits[: k - 1]
+
+
+def commit_cache(cache: DynamicCache, n_committed: int) -> None:
+    """Crop the cache so it holds positions 0..n_committed-2 (the last committed token is not yet fed)."""
+    target = n_committed - 1
+    extra = cache.get_seq_length() - target
+    if extra < 0:
+        raise AssertionError(f"cache holds {cache.get_seq_length()} positions, fewer than {target}")
+    if extra:
+        cache.crop(-extra)
+    assert cache.get_seq_length() == target, "cache length invariant broken"
+
+
+def generate(model: OrthrusLM, prompt: str | list[int], mode: str = "orthrus", *, max_new_tokens: int = 128,
+             k: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             chat_template: bool = True, on_text=None, on_tokens=None):
+    """Decode `prompt` (text, or token ids used as-is) with `mode` ("ar" | "orthrus").
+
+    on_text(str) receives text as tokens are committed; on_tokens(list[int]) the committed ids.
+    Returns a GenerationOutput(text, token_ids, stats, prompt_ids, finish_reason).
+    """
+    from .decoding import DecodeConfig, GenerationOutput, decode
+    from .sampling import SamplingConfig
+    from .text import StreamDecoder, encode_prompt
+
+    prompt_ids = list(prompt) if isinstance(prompt, (list, tuple)) else encode_prompt(model.tokenizer, prompt, chat_template)
+    cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=k,
+                       sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+    stream = StreamDecoder(model.tokenizer) if (on_text and model.tokenizer is not None) else None
+
+    def _on_tokens(ids):
+        if on_tokens:
+            on_tokens(ids)
+        if stream is not None:
+            delta = stream.push(ids)
+            if delta:
+                on_text(delta)
+
+    state = decode(model, prompt_ids, mode, cfg, on_tokens=_on_tokens)
+    text = model.tokenizer.decode(state.generated, skip_special_tokens=True) if model.tokenizer is not None else ""
+    return GenerationOutput(text=text, token_ids=state.generated, stats=state.stats.to_dict(),
+                            prompt_ids=prompt_ids, finish_reason=state.finished)
+
+
+OrthrusLM.generate = generate
