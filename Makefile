@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# the main job: audit a small slice of the suite in fp32 and bf16, then report
 demo: $(STAMP)
-	$(BIN)/python -m lossless demo
+	$(BIN)/lossless audit --model smollm2-135m --dtypes fp32,bf16 --limit-per-domain 2 --max-new-tokens 64 --out runs/demo
+	$(BIN)/lossless report runs/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

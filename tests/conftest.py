@@ -1,12 +1,21 @@
-"""Tiny random backbones (2 layers) shared by the unit tests."""
+"""Tiny random backbones (2 layers) shared by the unit tests, and small helpers built on them."""
+
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from lossless.decoding import DecodeConfig, decode
 from lossless.model import OrthrusLM
 
+# The tiny models are dominated by per-op overhead; with several intra-op threads on a busy machine the
+# OpenMP barriers can make a single forward 100x slower. One thread keeps the suite fast and steady.
+torch.set_num_threads(1)
+
 VOCAB = 64
+NO_EOS = (-1,)  # an eos_ids value no token matches: decoding runs to max_new_tokens
+PROMPTS = ([1, 5, 9, 3], [7], [2, 2, 2, 2, 2, 2, 2, 2], [0, 10, 20, 30, 40, 50])
 
 
 def tiny_backbone(family: str = "llama", seed: int = 0, vocab: int = VOCAB, attn: str = "sdpa"):
@@ -32,3 +41,40 @@ def tiny_orthrus(family: str = "llama", k: int = 8, seed: int = 0, **kw) -> Orth
 @pytest.fixture(params=["llama", "qwen3"])
 def family(request):
     return request.param
+
+
+def ar_reference(model: OrthrusLM, prompt: list[int], max_new_tokens: int, eos_ids=NO_EOS) -> list[int]:
+    """Greedy AR continuation of `prompt` (by default ignoring EOS, so exactly max_new_tokens ids)."""
+    state = decode(model, prompt, "ar", DecodeConfig(max_new_tokens=max_new_tokens, eos_ids=tuple(eos_ids)))
+    return state.generated
+
+
+def perturb_head(model: OrthrusLM, scale: float = 1.0, seed: int = 1234) -> None:
+    """Add Gaussian noise (scale x each tensor's std) to every head parameter, so q differs from p."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.head_parameters().values():
+            std = float(p.float().std()) if p.numel() > 1 else 1.0
+            p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * scale * (std or 1.0))
+
+
+def tiny_tokenizer(vocab: int = VOCAB):
+    """A word-level tokenizer over "<s> w1 .. w{vocab-3} <unk> </s>" (ids 0 .. vocab-1, EOS = vocab-1)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<s>": 0, **{f"w{i}": i for i in range(1, vocab - 2)}, "<unk>": vocab - 2, "</s>": vocab - 1}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<s>")
+
+
+def save_tiny_model_dir(path: Path, family: str = "llama", seed: int = 0, tokenizer: bool = True) -> Path:
+    """Write a tiny random causal LM (and a word-level tokenizer) as a local Hugging Face directory."""
+    path = Path(path)
+    tiny_backbone(family, seed).save_pretrained(path)
+    if tokenizer:
+        tiny_tokenizer().save_pretrained(path)
+    return path

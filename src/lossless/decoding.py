@@ -10,6 +10,7 @@ This module does not know about tokenizers, chat templates or files.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -29,6 +30,7 @@ class DecodeConfig:
     k: int | None = None  # block size; None = the head's k
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eos_ids: tuple[int, ...] = ()
+    record_margins: bool = False  # keep the top-1 minus top-2 logit margin of every committed token
 
 
 @dataclass
@@ -72,6 +74,7 @@ class DecodeState:
     cache: object = None
     finished: str | None = None  # "eos" | "length" once done
     stats: DecodeStats = field(default_factory=DecodeStats)
+    margins: list[float] = field(default_factory=list)  # per generated token, when cfg.record_margins
 
     @property
     def generated(self) -> list[int]:
@@ -95,6 +98,12 @@ class Drafter(Protocol):
     def __call__(self, model: OrthrusLM, state: DecodeState, k: int, sampling: SamplingConfig,
                  generator: torch.Generator) -> tuple[list[int], torch.Tensor | None]:
         """Propose k-1 draft ids (and their sampling distributions q [k-1, V] when sampling)."""
+
+
+def top2_margins(logits: torch.Tensor) -> list[float]:
+    """Top-1 minus top-2 logit, per row of logits [..., V] (how close each choice was to a tie)."""
+    top = torch.topk(logits.float(), 2, dim=-1).values
+    return (top[..., 0] - top[..., 1]).reshape(-1).tolist()
 
 
 def model_drafter(model, state, k, sampling, generator):
@@ -133,12 +142,14 @@ def prefill(model: OrthrusLM, prompt_ids: list[int], cfg: DecodeConfig, generato
     state.cache, logits = model.prefill(prompt_ids)
     state.stats.forwards += 1
     first = int(argmax(logits)) if cfg.sampling.greedy else sample(cfg.sampling.probs(logits), generator)
-    commit(state, [first], cfg)
+    commit(state, [first], cfg, logits[None])
     return state
 
 
-def commit(state: DecodeState, new_tokens: list[int], cfg: DecodeConfig) -> list[int]:
-    """Append tokens up to EOS (kept) or max_new_tokens; crop the cache; return what was committed."""
+def commit(state: DecodeState, new_tokens: list[int], cfg: DecodeConfig, logits: torch.Tensor | None = None) -> list[int]:
+    """Append tokens up to EOS (kept) or max_new_tokens; crop the cache; return what was committed.
+
+    logits [len(new_tokens), V], when given, are the AR rows the tokens were chosen from (for margins)."""
     kept: list[int] = []
     for tok in new_tokens:
         state.tokens.append(int(tok))
@@ -151,6 +162,8 @@ def commit(state: DecodeState, new_tokens: list[int], cfg: DecodeConfig) -> list
             break
     commit_cache(state.cache, len(state.tokens))
     state.stats.new_tokens = len(state.generated)
+    if cfg.record_margins and logits is not None:
+        state.margins.extend(top2_margins(logits[: len(kept)]))
     return kept
 
 
@@ -160,7 +173,7 @@ def ar_cycle(model: OrthrusLM, state: DecodeState, cfg: DecodeConfig, generator)
     logits = model.step(state.cache, state.tokens[-1])
     state.stats.forwards += 1
     tok = int(argmax(logits)) if cfg.sampling.greedy else sample(cfg.sampling.probs(logits), generator)
-    return commit(state, [tok], cfg)
+    return commit(state, [tok], cfg, logits[None])
 
 
 def accept_greedy(drafts: list[int], logits: torch.Tensor) -> tuple[int, int]:
@@ -208,7 +221,7 @@ def orthrus_cycle(model: OrthrusLM, state: DecodeState, cfg: DecodeConfig, k: in
         n_accepted, bonus_token = accept_sampling(drafts, q, cfg.sampling.probs(logits), generator)
     state.stats.accepted.append(n_accepted)
     # 4. commit: accepted drafts + the AR token; crop the cache back to the committed length
-    return commit(state, [*drafts[:n_accepted], bonus_token], cfg)
+    return commit(state, [*drafts[:n_accepted], bonus_token], cfg, logits[: n_accepted + 1])
 
 
 # --------------------------------------------------------------------------------------------- the loop
@@ -217,7 +230,7 @@ def decode(model: OrthrusLM, prompt_ids: list[int], mode: str = "orthrus", cfg: 
     """Generate from `prompt_ids` with `mode` ("ar" or "orthrus"). `on_tokens` gets each committed chunk."""
     cfg = cfg or DecodeConfig()
     if not cfg.eos_ids:
-        cfg = DecodeConfig(cfg.max_new_tokens, cfg.k, cfg.sampling, tuple(model.eos_token_ids()))
+        cfg = dataclasses.replace(cfg, eos_ids=tuple(model.eos_token_ids()))
     k = validate(model, prompt_ids, cfg, mode)
     generator = cfg.sampling.generator(model.device)
     start = time.perf_counter()

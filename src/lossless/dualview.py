@@ -165,3 +165,16 @@ def diff_parameters(backbone: nn.Module) -> dict[str, nn.Parameter]:
 def backbone_parameters(backbone: nn.Module) -> dict[str, nn.Parameter]:
     """The frozen AR parameters (everything that is not a diff parameter)."""
     return {n: p for n, p in backbone.named_parameters() if "_diff." not in n}
+
+
+def diff_reference_parameters(backbone: nn.Module) -> dict[str, nn.Parameter]:
+    """For each diff parameter name, the AR parameter it was copied from (same key as diff_parameters)."""
+    refs: dict[str, nn.Parameter] = {}
+    for i, attn in enumerate(attention_modules(backbone)):
+        for name in DIFF_PROJ + DIFF_NORM:
+            module = getattr(attn, name, None)
+            if module is None or getattr(attn, f"{name}_diff", None) is None:
+                continue
+            for pname, p in module.named_parameters():
+                refs[f"layers.{i}.{name}_diff.{pname}"] = p
+    return refs

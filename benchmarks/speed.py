@@ -1,0 +1,145 @@
+"""Decoding speed, side by side in one process: HF `generate` greedy, our `ar`, HF prompt-lookup
+decoding, and `orthrus` with the model's head (the shipped one by default).
+
+Methods run alternately on each prompt, for several repeats; the table reports medians over prompts
+of per-prompt medians over repeats. Tokens per step = tokens committed per decode cycle after the
+prefill (1.0 for plain AR); tokens per forward counts every model forward, prefill included.
+The last stdout line is one JSON object.
+
+    python benchmarks/speed.py --model smollm2-135m --dtype bf16 --limit 8 --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+
+import torch
+
+import lossless
+from lossless import paths
+from lossless.distill import read_prompts
+from lossless.errors import LosslessError
+from lossless.text import encode_prompt
+
+METHODS = ("hf_generate", "ar", "prompt_lookup", "orthrus")
+
+
+class ForwardCounter:
+    """Counts forwards of the backbone's decoder (draft and verify passes both count)."""
+
+    def __init__(self, module):
+        self.n = 0
+        module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_):
+        self.n += 1
+
+
+def run_hf(model, ids, max_new_tokens, eos, counter, prompt_lookup=False):
+    x = torch.tensor([ids], device=model.device)
+    kwargs = {"prompt_lookup_num_tokens": 10} if prompt_lookup else {}
+    before = counter.n
+    t = time.perf_counter()
+    out = model.backbone.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
+                                  max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0], **kwargs)
+    seconds = time.perf_counter() - t
+    new = out[0, len(ids):].tolist()
+    forwards = counter.n - before
+    return {"tokens": new, "seconds": seconds, "forwards": forwards, "steps": max(forwards - 1, 1), "accepted": []}
+
+
+def run_ours(model, ids, max_new_tokens, mode, k):
+    state = lossless.decode(model, ids, mode, lossless.DecodeConfig(max_new_tokens=max_new_tokens, k=k))
+    s = state.stats
+    return {"tokens": state.generated, "seconds": s.seconds, "forwards": s.forwards, "steps": max(s.steps, 1),
+            "accepted": list(s.accepted)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--head", default=None)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--attn", default="sdpa")
+    ap.add_argument("--suite", default=str(paths.HELDOUT_PROMPTS), help="JSONL of {\"prompt\": ...} lines")
+    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--k", type=int, default=None)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    args = ap.parse_args(argv)
+    try:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        methods = [m for m in args.methods.split(",") if m]
+        bad = [m for m in methods if m not in METHODS]
+        if bad:
+            raise LosslessError(f"unknown method {bad[0]}: choose from {', '.join(METHODS)}")
+        model = lossless.load_model(args.model, args.dtype, attn=args.attn, head=args.head)
+        prompts = read_prompts(args.suite)[: args.limit]
+        if not prompts:
+            raise LosslessError(f"{args.suite}: no prompts")
+    except LosslessError as exc:
+        print(f"speed: error: {exc}", file=sys.stderr)
+        return 2
+    eos = model.eos_token_ids()
+    counter = ForwardCounter(model.backbone.model)
+    encoded = [encode_prompt(model.tokenizer, p["prompt"]) for p in prompts]
+    per_prompt: dict[str, list[dict]] = {m: [] for m in methods}
+    hist: dict[str, Counter] = {m: Counter() for m in methods}
+    run_ours(model, encoded[0], 8, "ar", None)  # warm-up
+    for ids in encoded:
+        reps: dict[str, list[dict]] = {m: [] for m in methods}
+        for _ in range(args.repeats):
+            for m in methods:  # alternate methods so machine noise hits all alike
+                if m == "hf_generate":
+                    r = run_hf(model, ids, args.max_new_tokens, eos, counter)
+                elif m == "prompt_lookup":
+                    r = run_hf(model, ids, args.max_new_tokens, eos, counter, prompt_lookup=True)
+                else:
+                    r = run_ours(model, ids, args.max_new_tokens, m, args.k)
+                reps[m].append(r)
+        for m in methods:
+            n = len(reps[m][0]["tokens"])
+            per_prompt[m].append({
+                "tokens_per_second": statistics.median(n / r["seconds"] for r in reps[m]),
+                "tokens_per_step": (n - 1) / reps[m][0]["steps"],
+                "tokens_per_forward": n / reps[m][0]["forwards"],
+                "new_tokens": n,
+            })
+            hist[m].update(reps[m][0]["accepted"])
+    summary = {}
+    base = statistics.median(p["tokens_per_second"] for p in per_prompt.get("hf_generate", [])) if "hf_generate" in methods else None
+    for m in methods:
+        rows = per_prompt[m]
+        tps = statistics.median(r["tokens_per_second"] for r in rows)
+        summary[m] = {
+            "tokens_per_second": round(tps, 2),
+            "tokens_per_step": round(statistics.mean(r["tokens_per_step"] for r in rows), 3),
+            "tokens_per_forward": round(statistics.mean(r["tokens_per_forward"] for r in rows), 3),
+            "speedup_vs_hf_generate": round(tps / base, 3) if base else None,
+            "mean_new_tokens": round(statistics.mean(r["new_tokens"] for r in rows), 1),
+        }
+        if hist[m]:
+            summary[m]["acceptance_histogram"] = {str(a): hist[m][a] for a in sorted(hist[m])}
+    print(f"model={args.model} dtype={args.dtype} attn={args.attn} prompts={len(prompts)} "
+          f"max_new_tokens={args.max_new_tokens} repeats={args.repeats} threads={torch.get_num_threads()} head_k={model.k}")
+    print(f"{'method':<15}{'tokens/s':>10}{'tok/step':>10}{'tok/fwd':>10}{'speedup':>10}{'new tok':>9}")
+    for m, s in summary.items():
+        sp = f"{s['speedup_vs_hf_generate']:.2f}x" if s["speedup_vs_hf_generate"] else "-"
+        print(f"{m:<15}{s['tokens_per_second']:>10.1f}{s['tokens_per_step']:>10.2f}{s['tokens_per_forward']:>10.2f}"
+              f"{sp:>10}{s['mean_new_tokens']:>9.0f}")
+    if "orthrus" in summary and "acceptance_histogram" in summary["orthrus"]:
+        print("orthrus acceptance histogram (drafts accepted per cycle):", summary["orthrus"]["acceptance_histogram"])
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The audit report: shard merging, the summary's numbers, report.md and plots from a fake run dir."""
+
+import json
+import math
+
+import pytest
+
+from lossless.errors import LosslessError
+from lossless.report import config_label, load_run, write_report
+
+# bf16 outcomes per prompt (prompts 0-3 are math_word, 4-7 poetry): 3 of 8 match
+BF16_MATCH = [True, False, True, False, False, True, False, False]
+
+
+def _record(i, dtype, match, attn="sdpa", reference_attn="sdpa"):
+    domain = "math_word" if i < 4 else "poetry"
+    pid = f"{domain}-{i:03d}"
+    ar = list(range(20))
+    orth = ar if match else ar[:10] + [99] * 10
+    return {"key": f"{pid}|{dtype}|{attn}", "prompt_id": pid, "domain": domain, "dtype": dtype, "attn": attn,
+            "reference_attn": reference_attn, "k": 8, "max_new_tokens": 128, "ar_ids": ar, "orthrus_ids": orth,
+            "exact_match": match, "first_divergence": None if match else 10 * (i + 1),
+            "levenshtein": 0 if match else 5,
+            "ref_margin_at_divergence": None if match else [0.0, 0.0625, 0.125, 2.0, 8.0][i % 5],
+            "orthrus_margin_at_divergence": None, "ref_log_ppl": 0.1 if match else 0.3,
+            "response_length": 20, "accepted": [3, 2], "tokens_per_step": 2.0 + 0.5 * (i % 2),
+            "ar_forwards": 20, "orthrus_forwards": 9, "ar_seconds": 1.0, "orthrus_seconds": 0.5}
+
+
+def _lines(recs):
+    return "".join(json.dumps(r) + "\n" for r in recs)
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    shard0 = [_record(i, "bf16", BF16_MATCH[i]) for i in range(6)] + [_record(i, "fp32", True) for i in range(4)]
+    # shard 1 repeats prompts 4 and 5 with the opposite outcome: the first occurrence (shard 0) must win
+    shard1 = ([_record(i, "bf16", not BF16_MATCH[i]) for i in (4, 5)]
+              + [_record(i, "bf16", BF16_MATCH[i]) for i in (6, 7)]
+              + [_record(i, "fp32", True) for i in range(4, 8)])
+    (d / "records.shard-0-of-2.jsonl").write_text(_lines(shard0))
+    torn = json.dumps(_record(0, "fp16", False))[:57]  # a write interrupted mid-line
+    (d / "records.shard-1-of-2.jsonl").write_text(_lines(shard1) + torn)
+    (d / "run.json").write_text(json.dumps({"planned": 24, "command": "lossless audit --out run",
+                                            "config": {"model": "tiny", "k": 8}}))
+    return d
+
+
+def test_load_run_merges_shards_drops_duplicates_and_torn_line(run_dir):
+    records, info = load_run(run_dir)
+    keys = [r["key"] for r in records]
+    assert len(keys) == len(set(keys)) == 16
+    assert info["planned"] == 24
+    by_key = {r["key"]: r for r in records}
+    assert by_key["poetry-004|bf16|sdpa"]["exact_match"] is BF16_MATCH[4]
+    assert by_key["poetry-005|bf16|sdpa"]["exact_match"] is BF16_MATCH[5]
+    assert not any(r["dtype"] == "fp16" for r in records)
+
+
+def test_write_report_files_and_summary_schema(run_dir, tmp_path):
+    out = tmp_path / "report"
+    summary = write_report(run_dir, out)
+    assert (out / "report.md").is_file()
+    assert (out / "config_match_rate.png").stat().st_size > 0
+    assert (out / "domain_match_rate.png").stat().st_size > 0
+    for name in summary["plots"]:
+        assert (out / name).is_file()
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk == summary
+    assert set(summary) >= {"n_records", "planned", "configs", "domains", "regression", "ppl", "replication"}
+    assert summary["n_records"] == 16 and summary["planned"] == 24
+    for c in summary["configs"]:
+        assert set(c) >= {"dtype", "attn", "reference_attn", "n", "exact_match_rate", "ci95",
+                          "mean_tokens_per_step", "mean_first_divergence", "mean_levenshtein"}
+    for rows in summary["domains"].values():
+        for d in rows:
+            assert set(d) == {"domain", "n", "exact_match_rate", "ci95", "mean_first_divergence",
+                              "mean_tokens_per_step"}
+    assert set(summary["ppl"]["bf16/sdpa"]) >= {"matching_mean_ppl", "diverging_mean_ppl"}
+    assert summary["replication"]["bf16_exact_match"]["authors_checkpoint"]["rate"] == 0.45
+
+
+def test_summary_rates_match_hand_computed_values(run_dir):
+    summary = write_report(run_dir)
+    configs = {c["label"]: c for c in summary["configs"]}
+    assert set(configs) == {"bf16/sdpa", "fp32/sdpa"}
+    bf16, fp32 = configs["bf16/sdpa"], configs["fp32/sdpa"]
+    assert bf16["n"] == 8 and bf16["exact_match_rate"] == pytest.approx(3 / 8)
+    assert bf16["ci95"] == pytest.approx([0.1368, 0.6943], abs=1e-4)  # Wilson 3/8
+    assert bf16["mean_first_divergence"] == pytest.approx((20 + 40 + 50 + 70 + 80) / 5)
+    assert bf16["mean_levenshtein"] == pytest.approx(5 * 5 / 8)
+    assert bf16["mean_tokens_per_step"] == pytest.approx(2.25)
+    assert fp32["n"] == 8 and fp32["exact_match_rate"] == 1.0 and fp32["mean_first_divergence"] is None
+    domains = {d["domain"]: d for d in summary["domains"]["bf16/sdpa"]}
+    assert domains["math_word"]["exact_match_rate"] == pytest.approx(0.5)
+    assert domains["poetry"]["exact_match_rate"] == pytest.approx(0.25)
+    assert domains["poetry"]["n"] == 4
+    ppl = summary["ppl"]["bf16/sdpa"]
+    assert ppl["matching_mean_ppl"] == pytest.approx(math.exp(0.1))
+    assert ppl["diverging_mean_ppl"] == pytest.approx(math.exp(0.3))
+    assert summary["ppl"]["fp32/sdpa"]["diverging_mean_ppl"] is None
+    # too few pairs / no variation: reported, not raised
+    assert "error" in summary["regression"]["bf16/sdpa"]
+    assert "all 8 pairs match" in summary["regression"]["fp32/sdpa"]["error"]
+
+
+def test_report_markdown_shows_progress_tables_and_published_figures(run_dir):
+    write_report(run_dir)
+    md = (run_dir / "report.md").read_text()
+    assert "16 of 24 planned pairs done" in md
+    assert "37.5% [13.7, 69.4]" in md
+    assert "45% ± 3%" in md and "43% ± 3%" in md and "-8.1 [-10.5, -5.7]" in md and "1.28" in md
+    assert "![" in md and "config_match_rate.png" in md
+    assert "Not fit" in md
+
+
+def test_report_without_run_json_counts_pairs(tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "records.jsonl").write_text(_lines([_record(i, "bf16", BF16_MATCH[i], reference_attn="eager")
+                                             for i in range(8)]))
+    summary = write_report(d)
+    assert summary["planned"] is None
+    assert [c["label"] for c in summary["configs"]] == [config_label("bf16", "sdpa", "eager")]
+    assert "8 pairs." in (d / "report.md").read_text()
+
+
+def test_missing_or_empty_run_dir_raises_lossless_error(tmp_path):
+    with pytest.raises(LosslessError, match="does not exist"):
+        write_report(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LosslessError, match="no records"):
+        write_report(tmp_path / "empty")
+
+
+def test_plots_without_divergences_are_skipped(tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "records.jsonl").write_text(_lines([_record(i, "fp32", True) for i in range(8)]))
+    summary = write_report(d)
+    assert "config_match_rate.png" in summary["plots"] and "domain_match_rate.png" in summary["plots"]
+    assert "ref_margin_at_divergence.png" not in summary["plots"]
+    assert "first_divergence.png" not in summary["plots"]
+    assert not (d / "first_divergence.png").exists()
