@@ -257,3 +257,30 @@ def test_authors_layout_without_draft_weights_is_refused(tmp_path):
     save_file({**state, **diff}, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(LosslessError, match="lacks draft weights"):
         lossless.load_model(str(path), "fp32")
+
+
+@pytest.mark.xfail(strict=True, reason="src bug: OrthrusLM.load_head_tensors checks shapes inside the copy loop, so a "
+                                       "head refused for a bad shape has already overwritten the tensors before it")
+def test_a_refused_head_leaves_the_model_head_untouched(tmp_path):
+    model, path = _write_good_head(tmp_path)
+    tensors = {n: p.detach().clone() for n, p in model.head_parameters().items()}
+    last = sorted(tensors)[-1]
+    tensors[last] = torch.zeros(3, 3)  # the last tensor has the wrong shape; the others are valid
+    save_file(tensors, str(path / HEAD_WEIGHTS))
+    fresh = tiny_orthrus("llama", k=8)
+    perturb_head(fresh, 1.0, seed=5)
+    before = _snapshot(fresh.head_parameters())
+    with pytest.raises(LosslessError):
+        fresh.load_head(path)
+    _assert_same(_snapshot(fresh.head_parameters()), before)
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError,
+                   reason="src bug: head.load_head does not validate field types, so head.json with a non-integer "
+                          "k raises ValueError from int() after the tensors were copied, not LosslessError")
+def test_head_json_with_a_non_integer_k_is_refused_with_lossless_error(tmp_path):
+    _, path = _write_good_head(tmp_path)
+    info = json.loads((path / HEAD_CONFIG).read_text())
+    (path / HEAD_CONFIG).write_text(json.dumps({**info, "k": "eight"}))
+    with pytest.raises(LosslessError):
+        tiny_orthrus("llama", k=8).load_head(path)

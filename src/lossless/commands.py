@@ -35,6 +35,7 @@ def register(sub, add_model_args) -> None:
     t.add_argument("--device", default="cpu")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    t.add_argument("--stop-at", type=int, default=None, help="leave after this step with a checkpoint (resume later)")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=cmd_train)
 
@@ -131,7 +132,7 @@ def cmd_train(args) -> int:
         heldout = [encode_prompt(model.tokenizer, p["prompt"]) for p in distill.read_prompts(paths.HELDOUT_PROMPTS)[: cfg.eval_prompts]]
     model.train(False)
     summary = training.train(model, records, cfg, heldout=heldout, resume=args.resume, accelerator=accelerator,
-                             progress=not args.no_progress)
+                             progress=not args.no_progress, stop_at=args.stop_at)
     if accelerator.is_main_process:
         summary["records"] = len(records)
         summary["config"] = asdict(cfg)

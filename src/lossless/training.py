@@ -158,8 +158,11 @@ def heldout_tokens_per_step(model: OrthrusLM, prompt_ids: list[list[int]], max_n
 
 
 def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list[list[int]] | None = None,
-          resume: bool = False, accelerator=None, progress: bool = True) -> dict:
-    """Train `model`'s head on distillation `records` ({"prompt_ids", "response_ids"}). Returns a summary."""
+          resume: bool = False, accelerator=None, progress: bool = True, stop_at: int | None = None) -> dict:
+    """Train `model`'s head on distillation `records` ({"prompt_ids", "response_ids"}). Returns a summary.
+
+    stop_at: leave after this step with a checkpoint (the schedule still spans cfg.steps), e.g. to
+    time-box a session and `--resume` later."""
     from accelerate import Accelerator
 
     accelerator = accelerator or Accelerator(cpu=model.device.type == "cpu")
@@ -208,7 +211,7 @@ def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list
     step = start_step
     t0, tokens = time.perf_counter(), 0
     try:
-        while step < cfg.steps:
+        while step < min(cfg.steps, stop_at or cfg.steps):
             rng = step_rng(cfg.seed, step)
             picks = [rng.randrange(len(sequences)) for _ in range(cfg.seqs_per_step)]
             mine = picks[rank::world]

