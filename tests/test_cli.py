@@ -84,10 +84,6 @@ def test_bad_input_exits_2_with_a_one_line_message(dirs, capsys, case):
     pytest.param("cuda", marks=pytest.mark.skipif(torch.version.cuda is not None,
                                                   reason="torch is built with CUDA here; the bug is CPU-build only")),
 ])
-@pytest.mark.xfail(strict=True, reason="src bug: models.load_model calls torch.device(device) unguarded and "
-                                       "check_dtype_supported catches neither the RuntimeError of a bad device "
-                                       "string nor the AssertionError of a CPU-only torch, so these escape as "
-                                       "tracebacks")
 def test_bad_device_exits_2_with_a_one_line_message(dirs, capsys, device):
     try:
         rc = main(_gen("--model", dirs["model"], "--device", device, PROMPT))

@@ -28,7 +28,7 @@ def check_dtype_supported(name: str, device: torch.device) -> None:
     try:
         a = torch.ones(4, 4, dtype=dt, device=device)
         torch.softmax(a @ a, dim=-1).sum().item()
-    except (RuntimeError, TypeError) as exc:
+    except (RuntimeError, TypeError, AssertionError) as exc:
         raise LosslessError(
             f"dtype {dtype_name(name)} is not supported on device {device}: use --dtype fp32 ({exc.__class__.__name__})"
         ) from None

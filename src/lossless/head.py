@@ -115,6 +115,20 @@ def save_head(path: str | Path, tensors: dict[str, torch.Tensor], config: HeadCo
     return path
 
 
+def _invalid_field(c: HeadConfig) -> str | None:
+    if not isinstance(c.k, int) or isinstance(c.k, bool) or c.k < 1:
+        return f"k must be a positive integer, got {c.k!r}"
+    if c.mask_token_id is not None and (not isinstance(c.mask_token_id, int) or c.mask_token_id < 0):
+        return f"mask_token_id must be a non-negative integer or null, got {c.mask_token_id!r}"
+    if not isinstance(c.backbone_fingerprint, str):
+        return "backbone_fingerprint must be a string"
+    if not isinstance(c.format_version, int):
+        return "format_version must be an integer"
+    if c.encoding not in ENCODINGS:
+        return f"unknown encoding {c.encoding!r}"
+    return None
+
+
 def load_head(path: str | Path) -> tuple[dict[str, torch.Tensor], HeadConfig]:
     """Read a head directory (or the path of its safetensors file); raise LosslessError if unusable."""
     path = Path(path)
@@ -128,6 +142,9 @@ def load_head(path: str | Path) -> tuple[dict[str, torch.Tensor], HeadConfig]:
         config = HeadConfig(**raw)
     except (json.JSONDecodeError, TypeError) as exc:
         raise LosslessError(f"corrupt head config {cfg_file}: {exc}; re-train or re-download the head") from None
+    bad = _invalid_field(config)
+    if bad:
+        raise LosslessError(f"corrupt head config {cfg_file}: {bad}; re-train or re-download the head")
     if config.format_version != FORMAT_VERSION:
         raise LosslessError(
             f"head {path} has format version {config.format_version}; this lossless reads version {FORMAT_VERSION}"

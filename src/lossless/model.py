@@ -129,12 +129,13 @@ class OrthrusLM(nn.Module):
         unexpected = sorted(set(tensors) - set(params))
         if missing or unexpected:
             raise LosslessError(f"corrupt head {source}: missing {missing[:3]} unexpected {unexpected[:3]}")
+        for name, p in params.items():  # check everything before touching the model
+            if tensors[name].shape != p.shape:
+                raise LosslessError(f"corrupt head {source}: {name} has shape {tuple(tensors[name].shape)}, "
+                                    f"expected {tuple(p.shape)}")
         with torch.no_grad():
             for name, p in params.items():
-                t = tensors[name]
-                if t.shape != p.shape:
-                    raise LosslessError(f"corrupt head {source}: {name} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-                p.copy_(t.to(p.dtype))
+                p.copy_(tensors[name].to(p.dtype))
         self.k, self.head_info = int(info.k), info
 
     # ---------------------------------------------------------------------------------------- forwards

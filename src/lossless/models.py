@@ -147,7 +147,12 @@ def load_model(spec: str = "smollm2-135m", dtype: str = "fp32", device: str = "c
     name = dtype_name(dtype)
     if attn not in ATTN_KERNELS:
         raise LosslessError(f"unknown attention kernel '{attn}': choose one of {', '.join(ATTN_KERNELS)}")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise LosslessError(f"unknown device '{device}': use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise LosslessError(f"device '{device}' requested but this torch has no CUDA device: use --device cpu")
     check_dtype_supported(name, dev)
     tdtype = torch_dtype(name)
     path = Path(spec).expanduser()
