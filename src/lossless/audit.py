@@ -184,22 +184,19 @@ def response_log_ppl(model: OrthrusLM, prompt_ids: list[int], response: list[int
     return float(nll)
 
 
-def audit_pair(model: OrthrusLM, prompt: dict, prompt_ids: list[int], dtype: str, attn: str, cfg: AuditConfig,
-               reference: OrthrusLM | None = None, reference_attn: str | None = None) -> dict:
-    """Decode one prompt with AR (reference) and Orthrus; return the record."""
-    reference = reference or model
-    dcfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens, k=cfg.k, record_margins=True)
-    ar = decode(reference, prompt_ids, "ar", dcfg)
-    orth = decode(model, prompt_ids, "orthrus", dcfg)
+def pair_record(prompt: dict, prompt_ids: list[int], dtype: str, attn: str, reference_attn: str, k: int,
+                max_new_tokens: int, ar, orth, log_ppl: float) -> dict:
+    """The audit record of one AR reference run against one Orthrus run (both DecodeStates)."""
     a, o = ar.generated, orth.generated
     div = first_divergence(a, o)
-    margin = lambda m, i: (round(m[i], 6) if i is not None and i < len(m) else None)  # noqa: E731
-    log_ppl = response_log_ppl(reference, prompt_ids, a)
+
+    def margin(margins, i):
+        return round(margins[i], 6) if i is not None and i < len(margins) else None
+
+    key = f"{prompt['id']}|{dtype}|{attn}" + (f"|ref-{reference_attn}" if reference_attn != attn else "")
     return {
-        "key": f"{prompt['id']}|{dtype}|{attn}" + (f"|ref-{reference_attn}" if reference_attn and reference_attn != attn else ""),
-        "prompt_id": prompt["id"], "domain": prompt["domain"], "dtype": dtype, "attn": attn,
-        "reference_attn": reference_attn or attn, "k": model.k if cfg.k is None else cfg.k,
-        "max_new_tokens": cfg.max_new_tokens, "prompt_tokens": len(prompt_ids),
+        "key": key, "prompt_id": prompt["id"], "domain": prompt["domain"], "dtype": dtype, "attn": attn,
+        "reference_attn": reference_attn, "k": k, "max_new_tokens": max_new_tokens, "prompt_tokens": len(prompt_ids),
         "ar_ids": a, "orthrus_ids": o, "exact_match": a == o, "first_divergence": div,
         "levenshtein": levenshtein(a, o),
         "ref_margin_at_divergence": margin(ar.margins, div), "orthrus_margin_at_divergence": margin(orth.margins, div),
@@ -208,6 +205,27 @@ def audit_pair(model: OrthrusLM, prompt: dict, prompt_ids: list[int], dtype: str
         "ar_forwards": ar.stats.forwards, "orthrus_forwards": orth.stats.forwards,
         "ar_seconds": round(ar.stats.seconds, 4), "orthrus_seconds": round(orth.stats.seconds, 4),
     }
+
+
+def reference_kernels(attn: str) -> list[str]:
+    """AR references an Orthrus kernel is compared with: its own, and for exact mode also stock SDPA."""
+    return [attn, "sdpa"] if attn == "exact" else [attn]
+
+
+def audit_prompt(models: dict, prompt: dict, dtype: str, attn: str, cfg: AuditConfig) -> list[dict]:
+    """Decode one prompt with Orthrus under `attn` and with each AR reference; one record per reference."""
+    model = models[(dtype, attn)]
+    ids = encode_prompt(model.tokenizer, prompt["prompt"])
+    dcfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens, k=cfg.k, record_margins=True)
+    orth = decode(model, ids, "orthrus", dcfg)
+    k = model.k if cfg.k is None else cfg.k
+    records = []
+    for ref_attn in reference_kernels(attn):
+        reference = models[(dtype, ref_attn)]
+        ar = decode(reference, ids, "ar", dcfg)
+        log_ppl = response_log_ppl(reference, ids, ar.generated)
+        records.append(pair_record(prompt, ids, dtype, attn, ref_attn, k, cfg.max_new_tokens, ar, orth, log_ppl))
+    return records
 
 
 def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, command: list[str] | None = None,
@@ -224,29 +242,30 @@ def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, comma
         raise LosslessError(f"suite {cfg.suite} is empty after filtering")
     configs = cfg.configs()
     work = [(p, d, a) for p in prompts for d, a in configs]  # interleave configs: partial runs cover all
+    planned = sum(len(reference_kernels(a)) for _, _, a in work)
     run_dir = Path(out)
     load = load or (lambda d, a: load_model(cfg.model, d, cfg.device, a, head=cfg.head))
-    open_run(run_dir, cfg, len(work), command or sys.argv)
+    open_run(run_dir, cfg, planned, command or sys.argv)
     path = records_file(run_dir, shard_t)
     done = done_keys(path)
     mine = [w for j, w in enumerate(work) if j % shard_t[1] == shard_t[0]]
-    todo = [w for w in mine if f"{w[0]['id']}|{w[1]}|{w[2]}" not in done]
+    todo = [w for w in mine if f"{w[0]['id']}|{w[1]}|{w[2]}" not in done]  # an item's first record key
     models: dict[tuple[str, str], OrthrusLM] = {}
     bar = tqdm(total=len(mine), initial=len(mine) - len(todo), desc="audit pairs", unit="pair", disable=not progress)
     n_new = 0
     with open(path, "a", encoding="utf-8") as f:
         for prompt, dtype, attn in todo:
-            if (dtype, attn) not in models:
-                models[(dtype, attn)] = load(dtype, attn)
-            model = models[(dtype, attn)]
-            ids = encode_prompt(model.tokenizer, prompt["prompt"])
-            record = audit_pair(model, prompt, ids, dtype, attn, cfg)
-            f.write(json.dumps(record) + "\n")
+            for kernel in reference_kernels(attn):
+                if (dtype, kernel) not in models:
+                    models[(dtype, kernel)] = load(dtype, kernel)
+            records = audit_prompt(models, prompt, dtype, attn, cfg)
+            # all records of an item in one write: a kill leaves the item wholly done or wholly to redo
+            f.write("".join(json.dumps(r) + "\n" for r in records))
             f.flush()
             os.fsync(f.fileno())
-            n_new += 1
-            bar.set_postfix(match=record["exact_match"], tps=record["tokens_per_step"])
+            n_new += len(records)
+            bar.set_postfix(match=records[0]["exact_match"], tps=records[0]["tokens_per_step"])
             bar.update(1)
     bar.close()
-    return {"run_dir": str(run_dir), "records_file": str(path), "new": n_new, "shard_total": len(mine),
-            "planned": len(work)}
+    return {"run_dir": str(run_dir), "records_file": str(path), "new_records": n_new, "shard_items": len(mine),
+            "planned_records": planned}

@@ -180,7 +180,7 @@ def cmd_report(args) -> int:
     print(f"report: {out / 'report.md'}")
     for c in summary["configs"]:
         lo, hi = c["ci95"]
-        label = f"{c['dtype']}/{c['attn']}" + (f" vs {c['reference_attn']}" if c.get("reference_attn", c["attn"]) != c["attn"] else "")
+        label = c["label"]
         print(f"  {label}: exact match {100 * c['exact_match_rate']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] "
               f"(n={c['n']}), {c['mean_tokens_per_step']:.2f} tokens/step")
     return 0

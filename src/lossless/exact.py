@@ -148,3 +148,15 @@ def make_linears_fixed_rows(module: torch.nn.Module, dtype: torch.dtype, device:
         sub.__class__ = _FIXED[base]
         swapped[shape] = swapped.get(shape, 0) + 1
     return [f"linear {i}->{o} x{n}" for (i, o), n in sorted(swapped.items())]
+
+
+def enable_exact(model) -> list[str]:
+    """Put an OrthrusLM into exact mode in place: the "exact" attention kernel, and fixed-row linears for
+    the shapes measured not to be batch-invariant in the model's dtype. Returns what was replaced."""
+    if model.device.type != "cpu":
+        raise LosslessError("attn=exact has only a CPU kernel so far; use --device cpu or --attn sdpa")
+    register_exact()
+    model.backbone.set_attn_implementation(EXACT)
+    model.attn = EXACT
+    model.exact_ops = ["attention", *make_linears_fixed_rows(model.backbone, model.dtype, model.device)]
+    return model.exact_ops

@@ -1,8 +1,8 @@
 """Draft-head files: the diff parameters (+ mask embedding) as safetensors, with a JSON config.
 
 A head is a directory holding `head.safetensors` and `head.json`. The JSON records the block size `k`,
-the mask token (or that a learned mask embedding is used), the format version, and a fingerprint of
-the backbone the head was made for; loading a head onto another backbone is refused. The head's
+the mask token (or that a learned mask embedding is used), the format version, and a fingerprint
+(architecture hash + sampled weight signature) of the backbone the head was made for; loading a head onto another backbone is refused. The head's
 training recipe, when there is one, is kept in the JSON under `"training"`.
 
 This module knows file layout and identity checks. It does not know how heads are trained or used.
@@ -33,6 +33,7 @@ class HeadConfig:
 
     k: int
     backbone_fingerprint: str
+    backbone_signature: list = field(default_factory=list)
     mask_token_id: int | None = None
     format_version: int = FORMAT_VERSION
     backbone: str = ""
@@ -42,26 +43,41 @@ class HeadConfig:
 
 
 def backbone_fingerprint(backbone: nn.Module) -> str:
-    """A hash that identifies the backbone's architecture and weights, independent of compute dtype.
-
-    Hashes the config's shape fields and, for every non-diff parameter, its name, shape and a strided
-    sample of up to 4096 values rounded to bf16 (so fp32, bf16 and fp16 copies of one model agree).
-    """
+    """Hash of the backbone's architecture: config shape fields and every non-diff parameter's name and
+    shape. Weights are identified separately by `backbone_signature`, compared with a tolerance."""
     cfg = backbone.config
     h = hashlib.sha256()
     fields = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "vocab_size", "head_dim")
     h.update(json.dumps({f: getattr(cfg, f, None) for f in fields}, sort_keys=True).encode())
     for name, p in sorted(backbone.named_parameters()):
-        if "_diff." in name:
-            continue
-        flat = p.detach().reshape(-1)
-        stride = max(1, flat.numel() // 4096)
-        sample = flat[::stride][:4096].to(torch.bfloat16).to(torch.float32).cpu().contiguous()
-        h.update(name.encode())
-        h.update(str(tuple(p.shape)).encode())
-        h.update(sample.numpy().tobytes())
+        if "_diff." not in name:
+            h.update(f"{name}{tuple(p.shape)}".encode())
     return h.hexdigest()[:32]
+
+
+SIGNATURE_SIZE = 64
+
+
+def backbone_signature(backbone: nn.Module) -> list[float]:
+    """SIGNATURE_SIZE weight values sampled across the backbone's parameters (fp32, 5 significant digits).
+
+    Compared with a relative tolerance, so fp32, bf16 and fp16 copies of one model agree while another
+    model's weights do not."""
+    params = [p for n, p in sorted(backbone.named_parameters()) if "_diff." not in n and p.numel() >= 64]
+    values: list[float] = []
+    for j in range(SIGNATURE_SIZE):
+        p = params[(j * len(params)) // SIGNATURE_SIZE].detach().reshape(-1)
+        # a deterministic spread of positions inside the tensor; skip exact zeros (padding rows)
+        idx = (j * 7919 + 13) % p.numel()
+        values.append(float(f"{float(p[idx]):.5g}"))
+    return values
+
+
+def signatures_match(a: list[float], b: list[float], rtol: float = 2e-2, atol: float = 1e-3) -> bool:
+    if len(a) != len(b) or not a:
+        return False
+    return all(abs(x - y) <= atol + rtol * max(abs(x), abs(y)) for x, y in zip(a, b))
 
 
 ENCODINGS = ("full", "delta_int8")
@@ -122,6 +138,8 @@ def _invalid_field(c: HeadConfig) -> str | None:
         return f"mask_token_id must be a non-negative integer or null, got {c.mask_token_id!r}"
     if not isinstance(c.backbone_fingerprint, str):
         return "backbone_fingerprint must be a string"
+    if not isinstance(c.backbone_signature, list) or not all(isinstance(v, (int, float)) for v in c.backbone_signature):
+        return "backbone_signature must be a list of numbers"
     if not isinstance(c.format_version, int):
         return "format_version must be an integer"
     if c.encoding not in ENCODINGS:

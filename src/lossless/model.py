@@ -44,12 +44,14 @@ class OrthrusLM(nn.Module):
         self.k = int(k)
         self.mask_token_id = mask_token_id
         self.fingerprint = headfile.backbone_fingerprint(backbone)
+        self.signature = headfile.backbone_signature(backbone)
         emb = backbone.get_input_embeddings().weight
         if mask_token_id is None:
             self.mask_embedding = nn.Parameter(emb.detach().float().mean(0).to(emb.dtype).clone())
         else:
             self.mask_embedding = None
         self.head_info = headfile.HeadConfig(k=self.k, backbone_fingerprint=self.fingerprint,
+                                             backbone_signature=self.signature,
                                              mask_token_id=mask_token_id, backbone=self.name)
         self.eval()
 
@@ -116,7 +118,8 @@ class OrthrusLM(nn.Module):
         self.load_head_tensors(tensors, info, source=str(path))
 
     def load_head_tensors(self, tensors: dict[str, torch.Tensor], info: headfile.HeadConfig, source: str = "") -> None:
-        if info.backbone_fingerprint != self.fingerprint:
+        if info.backbone_fingerprint != self.fingerprint or not headfile.signatures_match(info.backbone_signature,
+                                                                                           self.signature):
             raise LosslessError(
                 f"head {source} was made for another backbone ({info.backbone or info.backbone_fingerprint}); "
                 f"train one for {self.name} or pass the matching --model"

@@ -147,12 +147,11 @@ def load_model(spec: str = "smollm2-135m", dtype: str = "fp32", device: str = "c
     name = dtype_name(dtype)
     if attn not in ATTN_KERNELS:
         raise LosslessError(f"unknown attention kernel '{attn}': choose one of {', '.join(ATTN_KERNELS)}")
-    if attn == "exact":
-        from .exact import register_exact
-
-        if device != "cpu" and not str(device).startswith("cpu"):
+    exact = attn == "exact"
+    if exact:
+        if not str(device).startswith("cpu"):
             raise LosslessError("attn=exact has only a CPU kernel so far; use --device cpu or --attn sdpa")
-        register_exact()
+        attn = "sdpa"  # loaded with stock kernels, then switched by enable_exact below
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
@@ -187,11 +186,10 @@ def load_model(spec: str = "smollm2-135m", dtype: str = "fp32", device: str = "c
             f"unknown model '{spec}': use one of {', '.join(EMBEDDED)}, a local model directory, or a hub id"
         )
     model.to(dev)
-    if attn == "exact":
-        from .exact import make_linears_fixed_rows
+    if exact:
+        from .exact import enable_exact
 
-        # replace only what this machine needs: linear shapes whose rows differ between M=1 and M=16
-        model.exact_ops = ["attention", *make_linears_fixed_rows(model.backbone, tdtype, dev)]
+        enable_exact(model)  # replaces only what this machine needs (measured per linear shape)
     if isinstance(head, str) and head == "none":
         return model  # explicitly untrained
     if head is None and spec in EMBEDDED and (HEADS_DIR / spec / "head.json").exists():

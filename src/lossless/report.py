@@ -106,8 +106,8 @@ def _config(r: dict) -> tuple[str, str, str]:
 
 
 def config_label(dtype: str, attn: str, reference_attn: str) -> str:
-    """`bf16/sdpa`, or `bf16/<reference kernel> vs <orthrus kernel>` when the two kernels differ."""
-    return f"{dtype}/{attn}" if reference_attn == attn else f"{dtype}/{reference_attn} vs {attn}"
+    """`bf16/sdpa`, or `bf16/<orthrus kernel> vs AR-<reference kernel>` when the two kernels differ."""
+    return f"{dtype}/{attn}" if reference_attn == attn else f"{dtype}/{attn} vs AR-{reference_attn}"
 
 
 def _rate(recs: list[dict]) -> tuple[float | None, list[float]]:
