@@ -23,6 +23,16 @@ demo: $(STAMP)
 	$(BIN)/lossless audit --model smollm2-135m --dtypes fp32,bf16 --limit-per-domain 2 --max-new-tokens 64 --out runs/demo
 	$(BIN)/lossless report runs/demo
 
+# the recipe of the shipped head (about 55 minutes on 2 CPU cores); it resumes if interrupted
+HEAD_ARGS := --model smollm2-135m --out heads/smollm2-135m --k 8 --steps 500 --lr 3e-4 --warmup 20 \
+	--seqs-per-step 4 --anchors 32 --save-every 25 --eval-every 100 --eval-prompts 4 --encoding delta_int8 --seed 0
+head: $(STAMP)
+	if [ -f heads/smollm2-135m/checkpoint.pt ]; then $(BIN)/lossless train $(HEAD_ARGS) --resume; \
+	else $(BIN)/lossless train $(HEAD_ARGS); fi
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/speed.py --model smollm2-135m --dtype bf16 --attn sdpa,exact --limit 6 --repeats 2 --max-new-tokens 128
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 

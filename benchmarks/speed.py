@@ -65,7 +65,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--head", default=None)
     ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--attn", default="sdpa")
+    ap.add_argument("--attn", default="sdpa",
+                    help="kernel for all methods; a second kernel after a comma (e.g. sdpa,exact) also runs ar and "
+                         "orthrus under it, alternating with the rest, and reports its overhead")
     ap.add_argument("--suite", default=str(paths.HELDOUT_PROMPTS), help="JSONL of {\"prompt\": ...} lines")
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -81,7 +83,9 @@ def main(argv=None) -> int:
         bad = [m for m in methods if m not in METHODS]
         if bad:
             raise LosslessError(f"unknown method {bad[0]}: choose from {', '.join(METHODS)}")
-        model = lossless.load_model(args.model, args.dtype, attn=args.attn, head=args.head)
+        kernels = [a for a in args.attn.split(",") if a]
+        model = lossless.load_model(args.model, args.dtype, attn=kernels[0], head=args.head)
+        extra = {a: lossless.load_model(args.model, args.dtype, attn=a, head=args.head) for a in kernels[1:]}
         prompts = read_prompts(args.suite)[: args.limit]
         if not prompts:
             raise LosslessError(f"{args.suite}: no prompts")
@@ -91,6 +95,11 @@ def main(argv=None) -> int:
     eos = model.eos_token_ids()
     counter = ForwardCounter(model.backbone.model)
     encoded = [encode_prompt(model.tokenizer, p["prompt"]) for p in prompts]
+    variants = {m: (model, m) for m in methods}
+    for a, extra_model in extra.items():
+        for m in ("ar", "orthrus"):
+            variants[f"{m}@{a}"] = (extra_model, m)
+    methods = list(variants)
     per_prompt: dict[str, list[dict]] = {m: [] for m in methods}
     hist: dict[str, Counter] = {m: Counter() for m in methods}
     run_ours(model, encoded[0], 8, "ar", None)  # warm-up
@@ -98,12 +107,13 @@ def main(argv=None) -> int:
         reps: dict[str, list[dict]] = {m: [] for m in methods}
         for _ in range(args.repeats):
             for m in methods:  # alternate methods so machine noise hits all alike
-                if m == "hf_generate":
-                    r = run_hf(model, ids, args.max_new_tokens, eos, counter)
-                elif m == "prompt_lookup":
-                    r = run_hf(model, ids, args.max_new_tokens, eos, counter, prompt_lookup=True)
+                runner, kind = variants[m]
+                if kind == "hf_generate":
+                    r = run_hf(runner, ids, args.max_new_tokens, eos, counter)
+                elif kind == "prompt_lookup":
+                    r = run_hf(runner, ids, args.max_new_tokens, eos, counter, prompt_lookup=True)
                 else:
-                    r = run_ours(model, ids, args.max_new_tokens, m, args.k)
+                    r = run_ours(runner, ids, args.max_new_tokens, kind, args.k)
                 reps[m].append(r)
         for m in methods:
             n = len(reps[m][0]["tokens"])
@@ -128,6 +138,10 @@ def main(argv=None) -> int:
         }
         if hist[m]:
             summary[m]["acceptance_histogram"] = {str(a): hist[m][a] for a in sorted(hist[m])}
+    for a in extra:
+        for m in ("ar", "orthrus"):
+            summary[f"{m}@{a}"]["slowdown_vs_" + kernels[0]] = round(
+                summary[m]["tokens_per_second"] / summary[f"{m}@{a}"]["tokens_per_second"], 3)
     print(f"model={args.model} dtype={args.dtype} attn={args.attn} prompts={len(prompts)} "
           f"max_new_tokens={args.max_new_tokens} repeats={args.repeats} threads={torch.get_num_threads()} head_k={model.k}")
     print(f"{'method':<15}{'tokens/s':>10}{'tok/step':>10}{'tok/fwd':>10}{'speedup':>10}{'new tok':>9}")
@@ -135,6 +149,10 @@ def main(argv=None) -> int:
         sp = f"{s['speedup_vs_hf_generate']:.2f}x" if s["speedup_vs_hf_generate"] else "-"
         print(f"{m:<15}{s['tokens_per_second']:>10.1f}{s['tokens_per_step']:>10.2f}{s['tokens_per_forward']:>10.2f}"
               f"{sp:>10}{s['mean_new_tokens']:>9.0f}")
+    for m, s in summary.items():
+        for key, value in s.items():
+            if key.startswith("slowdown_vs_"):
+                print(f"{m}: {value:.3f}x the time per token of {m.split('@')[0]} with {key[len('slowdown_vs_'):]}")
     if "orthrus" in summary and "acceptance_histogram" in summary["orthrus"]:
         print("orthrus acceptance histogram (drafts accepted per cycle):", summary["orthrus"]["acceptance_histogram"])
     print(json.dumps(summary))

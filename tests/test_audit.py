@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import perturb_head, tiny_backbone, tiny_tokenizer
-from lossless.audit import AuditConfig, limit_per_domain, load_suite, run_audit
+from lossless.audit import AuditConfig, interleave_domains, limit_per_domain, load_suite, run_audit
 from lossless.cli import main
 from lossless.errors import LosslessError
 from lossless.exact import enable_exact
@@ -52,6 +52,8 @@ def test_suite_parses_jsonl_and_domain_json(tmp_path):
     assert [(r["domain"], r["prompt"]) for r in rows] == [("poetry", "a poem"), ("poetry", "another"), ("math", "1+1?")]
     assert len({r["id"] for r in rows}) == 3
     assert [r["id"] for r in limit_per_domain(load_suite(jsonl), 1)] == ["d0-0", "d1-0", "d2-0"]
+    # partial runs cover every domain: work is ordered round-robin over domains
+    assert [r["id"] for r in interleave_domains(load_suite(jsonl))] == ["d0-0", "d1-0", "d2-0", "d0-1", "d1-1", "d2-1"]
 
 
 @pytest.mark.parametrize("line, message", [

@@ -87,6 +87,18 @@ def limit_per_domain(rows: list[dict], n: int | None) -> list[dict]:
     return out
 
 
+def interleave_domains(rows: list[dict]) -> list[dict]:
+    """Round-robin over domains (first prompt of each domain, then the second, ...), so that a partial
+    run covers every domain about equally."""
+    by_domain: dict[str, list[dict]] = {}
+    for r in rows:
+        by_domain.setdefault(r["domain"], []).append(r)
+    out = []
+    for i in range(max((len(v) for v in by_domain.values()), default=0)):
+        out.extend(v[i] for v in by_domain.values() if i < len(v))
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- config
 @dataclass
 class AuditConfig:
@@ -237,7 +249,7 @@ def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, comma
     shard_t = parse_shard(shard)
     suite = load_suite(cfg.suite)
     cfg.suite_sha256 = hashlib.sha256(Path(cfg.suite).read_bytes()).hexdigest()[:16]
-    prompts = limit_per_domain(suite, cfg.limit_per_domain)
+    prompts = interleave_domains(limit_per_domain(suite, cfg.limit_per_domain))
     if not prompts:
         raise LosslessError(f"suite {cfg.suite} is empty after filtering")
     configs = cfg.configs()

