@@ -52,6 +52,18 @@ def test_block_logits_equal_one_at_a_time_bitwise(family, dtype, data):
     assert torch.equal(model.draft(cache, last, 8), model.draft(cache_single, last, 8))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_block_logits_equal_one_at_a_time_on_a_grid(family, dtype):
+    # a fixed sweep next to the random one; (133, 13) once caught a bf16 GEMM rounding one element
+    # differently for 13 rows than for 1 (now prevented by fixed row groups)
+    model = exact_tiny(family, dtype)
+    ids = torch.randint(0, 63, (160,), generator=torch.Generator().manual_seed(0)).tolist()
+    for prefix_len in (1, 31, 63, 64, 65, 100, 127, 128, 133):
+        for k in (2, 8, 13, 16):
+            block, single, _, _ = block_and_single(model, ids, prefix_len, k)
+            assert torch.equal(block, single), (prefix_len, k)
+
+
 def test_stock_kernels_are_not_batch_invariant_in_fp32():
     # the property above is not vacuous: with stock kernels a block differs from single steps
     model = OrthrusLM(tiny_backbone("llama"), k=8)
@@ -78,9 +90,9 @@ def test_exact_attention_refuses_non_cpu_tensors():
         exact_attention(None, q, q, q, None, scaling=1.0)
 
 
-def test_exact_replaces_only_what_is_measured_to_need_it():
+def test_exact_mode_reports_what_it_replaced():
     model = OrthrusLM(tiny_backbone("llama").to(torch.float32), k=8)
     replaced = enable_exact(model)
     assert replaced[0] == "attention"
-    # fp32 GEMM on CPU is not batch-invariant: some linear shapes get fixed row groups
-    assert any(r.startswith("linear") for r in replaced)
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.backbone.modules())
+    assert sum(int(r.rsplit("x", 1)[1]) for r in replaced[1:]) == n_linear
