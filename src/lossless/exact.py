@@ -95,18 +95,25 @@ def register_exact() -> None:
         AttentionMaskInterface.register(EXACT, sdpa_mask)
 
 
-ROW_GROUP = 16  # linear layers see row groups of exactly this size in exact mode, when they need it
+ROW_GROUP = 8  # linear layers see row groups of exactly this size in exact mode (M=8 costs about what M=1 does here)
 
 
 class FixedRowsLinearMixin:
     """A Linear whose row results do not depend on how many rows are multiplied together: rows are
     processed in groups of exactly ROW_GROUP (zero-padded), so a single decoding row and the same row
-    inside a verify block go through the same GEMM shape."""
+    inside a verify block go through the same GEMM shape.
+
+    Calls with more than `max_grouped_rows` rows (prefills, which AR and Orthrus share bit for bit)
+    take the stock path; `enable_exact` sets that bound above the model's block size."""
+
+    max_grouped_rows = 32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         n = rows.shape[0]
+        if n > self.max_grouped_rows:
+            return F.linear(x, self.weight, self.bias)
         pad = (-n) % ROW_GROUP
         if pad:
             rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
@@ -117,7 +124,7 @@ class FixedRowsLinearMixin:
 _FIXED: dict[type, type] = {}
 
 
-def make_linears_fixed_rows(module: torch.nn.Module) -> list[str]:
+def make_linears_fixed_rows(module: torch.nn.Module, max_grouped_rows: int = 32) -> list[str]:
     """Swap every nn.Linear under `module` to the fixed-row-group variant. Returns descriptions like
     "linear 1536->576 x30".
 
@@ -133,6 +140,7 @@ def make_linears_fixed_rows(module: torch.nn.Module) -> list[str]:
         if base not in _FIXED:
             _FIXED[base] = type(f"FixedRows{base.__name__}", (FixedRowsLinearMixin, base), {})
         sub.__class__ = _FIXED[base]
+        sub.max_grouped_rows = max_grouped_rows
         shape = (sub.in_features, sub.out_features)
         swapped[shape] = swapped.get(shape, 0) + 1
     return [f"linear {i}->{o} x{n}" for (i, o), n in sorted(swapped.items())]
@@ -146,5 +154,5 @@ def enable_exact(model) -> list[str]:
     register_exact()
     model.backbone.set_attn_implementation(EXACT)
     model.attn = EXACT
-    model.exact_ops = ["attention", *make_linears_fixed_rows(model.backbone)]
+    model.exact_ops = ["attention", *make_linears_fixed_rows(model.backbone, max(32, model.k))]
     return model.exact_ops

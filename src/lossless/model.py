@@ -146,10 +146,12 @@ class OrthrusLM(nn.Module):
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
 
-    def _lm_forward(self, ids: torch.Tensor, pos: int, cache: DynamicCache) -> torch.Tensor:
-        """AR view over `ids` [1, q] at positions pos..pos+q-1, appending to `cache`. Returns logits [q, V]."""
+    def _lm_forward(self, ids: torch.Tensor, pos: int, cache: DynamicCache, last_only: bool = False) -> torch.Tensor:
+        """AR view over `ids` [1, q] at positions pos..pos+q-1, appending to `cache`. Returns logits [q, V]
+        (or [1, V] for the last position only, which spares a prefill the LM head on every row)."""
         position_ids = torch.arange(pos, pos + ids.shape[1], device=self.device).unsqueeze(0)
-        out = self.backbone(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True)
+        out = self.backbone(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True,
+                            logits_to_keep=1 if last_only else 0)
         return out.logits[0]
 
     @torch.no_grad()
@@ -157,7 +159,7 @@ class OrthrusLM(nn.Module):
         """Run the prompt through the AR view. Returns (cache holding the prompt, last-position logits [V])."""
         cache = self.new_cache()
         ids = torch.tensor([prompt_ids], device=self.device)
-        logits = self._lm_forward(ids, 0, cache)
+        logits = self._lm_forward(ids, 0, cache, last_only=True)
         return cache, logits[-1]
 
     @torch.no_grad()
