@@ -7,8 +7,8 @@ alone (AR) or inside a block of k queries (Orthrus verify):
 - keys are split into fixed-size chunks at absolute boundaries (0, C, 2C, ...), padded to C;
 - q.k dot products and p.v sums are elementwise products reduced over a contiguous axis of fixed
   length (head_dim, then C), in fp32 - never a matmul, whose reduction order depends on its shape;
-- the softmax uses the row's maximum over visible keys (exact) and sums chunk results sequentially,
-  so chunks that a block adds beyond the row's position contribute exact zeros.
+- the softmax uses the row's maximum over visible keys (exact) and sums chunk results with a scan
+  (left to right), so chunks that a block adds beyond the row's position contribute exact zeros.
 
 A forward with no cache (a prefill: as many keys as queries) uses stock SDPA: AR and Orthrus run the
 identical prefill, so it needs no invariance, and SDPA is much faster there.
@@ -64,10 +64,10 @@ def exact_attention(module, query, key, value, attention_mask, scaling, dropout=
     probs = torch.exp(scores - row_max)  # [b, kv, g, q, chunks, C]
     chunk_sum = probs.sum(-1)  # [b, kv, g, q, chunks]
     chunk_out = (probs.unsqueeze(-2) * vf).sum(-1)  # [b, kv, g, q, chunks, d]
-    total, acc = chunk_sum[..., 0], chunk_out[..., 0, :]
-    for c in range(1, chunks):  # sequential: trailing all-masked chunks add exact zeros
-        total = total + chunk_sum[..., c]
-        acc = acc + chunk_out[..., c, :]
+    # sequential sums over chunks (a scan adds left to right), so the all-masked chunks a block adds
+    # beyond a row's position contribute exact zeros after the row's own total
+    total = torch.cumsum(chunk_sum, dim=-1)[..., -1]
+    acc = torch.cumsum(chunk_out, dim=-2)[..., -1, :]
     out = (acc / total.unsqueeze(-1)).to(query.dtype).reshape(b, h, q, d)
     return out.transpose(1, 2).contiguous(), None
 
