@@ -54,13 +54,13 @@ def exact_attention(module, query, key, value, attention_mask, scaling, dropout=
     vf = F.pad(value.float(), (0, 0, 0, pad)).reshape(b, kv_heads, chunks, CHUNK, d).transpose(-1, -2)
     vf = vf.reshape(b, kv_heads, 1, 1, chunks, d, CHUNK).contiguous()
     scores = (qf * kf).sum(-1) * scaling  # [b, kv, g, q, chunks, C]
-    if visible is not None or pad:
-        keep = torch.ones(visible.shape[0] if visible is not None else 1, 1, q, n, dtype=torch.bool,
-                          device=query.device) if visible is None else visible
-        keep = F.pad(keep, (0, pad), value=False).reshape(keep.shape[0], 1, 1, q, chunks, CHUNK)
+    if visible is not None:
+        keep = F.pad(visible, (0, pad), value=False).reshape(visible.shape[0], 1, 1, q, chunks, CHUNK)
         scores = scores.masked_fill(~keep, float("-inf"))
+    elif pad:  # every key visible (a single decoding row, or the draft view): only the padding is hidden
+        scores.view(*scores.shape[:-2], chunks * CHUNK)[..., n:] = float("-inf")
+    # every row sees at least one key (its own position, or its block), so the row maximum is finite
     row_max = scores.amax(dim=(-1, -2), keepdim=True)  # exact, order-free
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     probs = torch.exp(scores - row_max)  # [b, kv, g, q, chunks, C]
     chunk_sum = probs.sum(-1)  # [b, kv, g, q, chunks]
     chunk_out = (probs.unsqueeze(-2) * vf).sum(-1)  # [b, kv, g, q, chunks, d]
@@ -75,7 +75,7 @@ def exact_attention(module, query, key, value, attention_mask, scaling, dropout=
 def _visibility(mask, is_causal, b, q, n, device):
     """Which keys each query may see, as bool [b|1, 1, q, n]; None = all."""
     if mask is None:
-        if is_causal is False:
+        if is_causal is False or q == 1:  # bidirectional, or one query that sees every cached key
             return None
         offset = n - q  # batch 1, no padding: queries are the last q positions
         rows = torch.arange(q, device=device)[:, None] + offset
