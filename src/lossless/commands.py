@@ -121,9 +121,8 @@ def cmd_train(args) -> int:
     model = load_model(cfg.model, cfg.dtype, str(accelerator.device), head="none", k=cfg.k)
     prompts = distill.read_prompts(cfg.prompts)
     if paths.DEFAULT_SUITE.exists():
-        from .distill import read_prompts
-
-        distill.check_disjoint([p["prompt"] for p in prompts], [p["prompt"] for p in read_prompts(paths.DEFAULT_SUITE)])
+        suite = distill.read_prompts(paths.DEFAULT_SUITE)
+        distill.check_disjoint([p["prompt"] for p in prompts], [p["prompt"] for p in suite])
     records_path = cache_dir() / "distill" / f"{Path(cfg.model).name}__{Path(cfg.prompts).stem}__{cfg.max_new_tokens}.jsonl"
     if accelerator.is_main_process:
         distill.generate_responses(model, prompts, records_path, cfg.max_new_tokens, cfg.distill_batch,
