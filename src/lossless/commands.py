@@ -67,6 +67,26 @@ def register(sub, add_model_args) -> None:
     pr.add_argument("text")
     pr.set_defaults(func=cmd_probe)
 
+    e = sub.add_parser("eval", help="task scores of ar and orthrus side by side, through lm-evaluation-harness")
+    e.add_argument("--model", default="smollm2-135m")
+    e.add_argument("--head", default=None)
+    e.add_argument("--tasks", default="humaneval,arith,capitals", help="comma-separated: humaneval, arith, capitals")
+    e.add_argument("--modes", default="ar,orthrus")
+    e.add_argument("--dtypes", default="bf16")
+    e.add_argument("--attn", default="sdpa", help="sdpa | eager | exact")
+    e.add_argument("--k", type=int, default=None)
+    e.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
+    e.add_argument("--confirm-run-unsafe-code", action="store_true",
+                   help="allow tasks that execute model-written code (humaneval)")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--out", required=True, help="output directory, e.g. runs/eval")
+    e.add_argument("--no-progress", action="store_true")
+    e.set_defaults(func=cmd_eval)
+
+    tk = sub.add_parser("tasks", help="write the local lm-eval tasks (data + YAML) for --include_path")
+    tk.add_argument("--out", required=True, help="directory to write")
+    tk.set_defaults(func=cmd_tasks)
+
 
 def _text_records(paths: list[str], tokenizer, chunk: int = 256) -> list[dict]:
     """Plain-text training data: files, directories of .txt, or JSONL with a 'text' field, chunked."""
@@ -199,4 +219,26 @@ def cmd_probe(args) -> int:
     print(format_table(result, only_differing=not args.all))
     if args.json:
         print(json.dumps(result.to_dict()))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .evaluation import parse_dtype_list, parse_modes, render_table, run_eval
+    from .evaltasks import resolve_tasks
+
+    tasks = resolve_tasks(args.tasks)
+    modes = parse_modes(args.modes)
+    dtypes = parse_dtype_list(args.dtypes)
+    summary = run_eval(args.model, tasks, modes, dtypes, args.out, attn=args.attn, head=args.head, k=args.k,
+                       limit=args.limit, confirm_unsafe=args.confirm_run_unsafe_code, device=args.device,
+                       progress=not args.no_progress, command=["lossless", *sys.argv[1:]])
+    print(render_table(summary))
+    print(f"wrote {Path(args.out) / 'summary.json'} and {Path(args.out) / 'report.md'}")
+    return 0
+
+
+def cmd_tasks(args) -> int:
+    from .evaltasks import write_tasks
+
+    print(write_tasks(args.out))
     return 0

@@ -226,8 +226,13 @@ def orthrus_cycle(model: OrthrusLM, state: DecodeState, cfg: DecodeConfig, k: in
 
 # --------------------------------------------------------------------------------------------- the loop
 def decode(model: OrthrusLM, prompt_ids: list[int], mode: str = "orthrus", cfg: DecodeConfig | None = None,
-           on_tokens: Callable[[list[int]], None] | None = None, drafter: Drafter = model_drafter) -> DecodeState:
-    """Generate from `prompt_ids` with `mode` ("ar" or "orthrus"). `on_tokens` gets each committed chunk."""
+           on_tokens: Callable[[list[int]], None] | None = None, drafter: Drafter = model_drafter,
+           stop: Callable[[DecodeState], bool] | None = None) -> DecodeState:
+    """Generate from `prompt_ids` with `mode` ("ar" or "orthrus"). `on_tokens` gets each committed chunk.
+
+    `stop(state)`, checked after every cycle, ends decoding early (finish reason "stop"), e.g. on a stop
+    string. A cycle that commits several tokens may run past the stop point; callers that cut text at a
+    stop string therefore get the same result from either mode whenever the token streams agree."""
     cfg = cfg or DecodeConfig()
     if not cfg.eos_ids:
         cfg = dataclasses.replace(cfg, eos_ids=tuple(model.eos_token_ids()))
@@ -237,6 +242,8 @@ def decode(model: OrthrusLM, prompt_ids: list[int], mode: str = "orthrus", cfg: 
     state = prefill(model, prompt_ids, cfg, generator)
     if on_tokens:
         on_tokens(state.generated)
+    if stop is not None and state.finished is None and stop(state):
+        state.finished = "stop"
     while state.finished is None:
         if mode == "ar":
             new = ar_cycle(model, state, cfg, generator)
@@ -245,5 +252,7 @@ def decode(model: OrthrusLM, prompt_ids: list[int], mode: str = "orthrus", cfg: 
         state.stats.steps += 1
         if on_tokens:
             on_tokens(new)
+        if stop is not None and state.finished is None and stop(state):
+            state.finished = "stop"
     state.stats.seconds = time.perf_counter() - start
     return state
