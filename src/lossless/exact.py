@@ -13,9 +13,11 @@ alone (AR) or inside a block of k queries (Orthrus verify):
 A forward with no cache (a prefill: as many keys as queries) uses stock SDPA: AR and Orthrus run the
 identical prefill, so it needs no invariance, and SDPA is much faster there.
 
-Linear layers (projections, MLP, LM head) run in fixed groups of 16 rows (`FixedRowsLinearMixin`): a
-GEMM's per-row result can depend on how many rows it multiplies (always in fp32 on this CPU, rarely
-and data-dependently in bf16). Norms, rotary and activations are row-wise and were measured by
+Linear layers (projections, MLP, LM head) run in fixed groups of rows (`FixedRowsLinearMixin`): a
+GEMM's per-row result can depend on how many rows it multiplies (always in fp32 on the CPUs measured,
+rarely and data-dependently in bf16). The group size is 8 where the CPU multiplies the dtype natively
+in wide SIMD (8 rows then cost about what 1 does) and 1 elsewhere (each row its own matrix-vector
+product, the very call single-token decoding makes); see `default_row_group`. Norms, rotary and activations are row-wise and were measured by
 `lossless probe` to be batch-invariant already, so they are left alone. The kernel is CPU-only: on CUDA it
 raises rather than silently falling back (a CUDA version would use a fixed split *size* as well).
 
@@ -23,6 +25,8 @@ This module does not know decoding; it only provides the kernel and its registra
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -95,18 +99,53 @@ def register_exact() -> None:
         AttentionMaskInterface.register(EXACT, sdpa_mask)
 
 
-ROW_GROUP = 8  # linear layers see row groups of exactly this size in exact mode (M=8 costs about what M=1 does here)
+ROW_GROUP = 8  # the group size where the CPU multiplies the dtype natively (M=8 then costs about what M=1 does)
+ROW_GROUP_ENV = "LOSSLESS_EXACT_ROW_GROUP"
+# CPU flags under which a dtype's GEMMs run natively in wide SIMD, so a group of 8 rows is cheap
+_NATIVE_FLAGS = {torch.float32: ("avx512f",), torch.bfloat16: ("avx512_bf16", "amx_bf16"),
+                 torch.float16: ("avx512_fp16", "amx_fp16")}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def default_row_group(dtype: torch.dtype) -> int:
+    """Rows per GEMM in exact mode: $LOSSLESS_EXACT_ROW_GROUP if set, else 8 where this CPU multiplies
+    `dtype` natively in wide SIMD and 1 where it does not (there a bf16 GEMM of 8 rows costs about 8
+    single-row products, and single-token decoding would pay 8x for every linear layer).
+
+    The choice depends only on the machine, never on a timing, so every process on one machine runs
+    the same kernels; exact mode compares Orthrus with AR under the same group size."""
+    env = os.environ.get(ROW_GROUP_ENV)
+    if env:
+        try:
+            value = int(env)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise LosslessError(f"{ROW_GROUP_ENV} must be a positive integer, got {env!r}")
+        return value
+    return ROW_GROUP if any(f in _cpu_flags() for f in _NATIVE_FLAGS.get(dtype, ())) else 1
 
 
 class FixedRowsLinearMixin:
     """A Linear whose row results do not depend on how many rows are multiplied together: rows are
-    processed in groups of exactly ROW_GROUP (zero-padded), so a single decoding row and the same row
+    processed in groups of exactly `row_group` (zero-padded), so a single decoding row and the same row
     inside a verify block go through the same GEMM shape.
 
     Calls with more than `max_grouped_rows` rows (prefills, which AR and Orthrus share bit for bit)
     take the stock path; `enable_exact` sets that bound above the model's block size."""
 
     max_grouped_rows = 32
+    row_group = ROW_GROUP
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -114,19 +153,24 @@ class FixedRowsLinearMixin:
         n = rows.shape[0]
         if n > self.max_grouped_rows:
             return F.linear(x, self.weight, self.bias)
-        pad = (-n) % ROW_GROUP
+        group = self.row_group
+        if group == 1:  # each row alone, in its own buffer, exactly as a single decoding step calls it
+            out = torch.cat([F.linear(r.clone(), self.weight, self.bias) for r in rows.split(1)])
+            return out.reshape(*shape[:-1], -1)
+        pad = (-n) % group
         if pad:
             rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
-        out = torch.cat([F.linear(g, self.weight, self.bias) for g in rows.split(ROW_GROUP)])
+        out = torch.cat([F.linear(g, self.weight, self.bias) for g in rows.split(group)])
         return out[:n].reshape(*shape[:-1], -1)
 
 
 _FIXED: dict[type, type] = {}
 
 
-def make_linears_fixed_rows(module: torch.nn.Module, max_grouped_rows: int = 32) -> list[str]:
+def make_linears_fixed_rows(module: torch.nn.Module, max_grouped_rows: int = 32,
+                            row_group: int = ROW_GROUP) -> list[str]:
     """Swap every nn.Linear under `module` to the fixed-row-group variant. Returns descriptions like
-    "linear 1536->576 x30".
+    "linear 1536->576 x30 (rows in groups of 8)".
 
     All shapes are swapped, in every dtype: on this CPU fp32 GEMMs differ between 1 and k rows almost
     everywhere, and bf16 GEMMs differ rarely and data-dependently (`lossless probe` finds single
@@ -141,18 +185,20 @@ def make_linears_fixed_rows(module: torch.nn.Module, max_grouped_rows: int = 32)
             _FIXED[base] = type(f"FixedRows{base.__name__}", (FixedRowsLinearMixin, base), {})
         sub.__class__ = _FIXED[base]
         sub.max_grouped_rows = max_grouped_rows
+        sub.row_group = row_group
         shape = (sub.in_features, sub.out_features)
         swapped[shape] = swapped.get(shape, 0) + 1
-    return [f"linear {i}->{o} x{n}" for (i, o), n in sorted(swapped.items())]
+    return [f"linear {i}->{o} x{n} (rows in groups of {row_group})" for (i, o), n in sorted(swapped.items())]
 
 
-def enable_exact(model) -> list[str]:
+def enable_exact(model, row_group: int | None = None) -> list[str]:
     """Put an OrthrusLM into exact mode in place: the "exact" attention kernel and fixed-row-group linear
-    layers. Returns what was replaced."""
+    layers (`row_group` rows per GEMM; default: `default_row_group`). Returns what was replaced."""
     if model.device.type != "cpu":
         raise LosslessError("attn=exact has only a CPU kernel so far; use --device cpu or --attn sdpa")
     register_exact()
     model.backbone.set_attn_implementation(EXACT)
     model.attn = EXACT
-    model.exact_ops = ["attention", *make_linears_fixed_rows(model.backbone, max(32, model.k))]
+    group = row_group or default_row_group(model.dtype)
+    model.exact_ops = ["attention", *make_linears_fixed_rows(model.backbone, max(32, model.k), group)]
     return model.exact_ops
