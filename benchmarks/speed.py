@@ -144,6 +144,9 @@ def main(argv=None) -> int:
                 summary[m]["tokens_per_second"] / summary[f"{m}@{a}"]["tokens_per_second"], 3)
     print(f"model={args.model} dtype={args.dtype} attn={args.attn} prompts={len(prompts)} "
           f"max_new_tokens={args.max_new_tokens} repeats={args.repeats} threads={torch.get_num_threads()} head_k={model.k}")
+    for a, m in extra.items():
+        if m.exact_ops:
+            print(f"{a} kernels: {'; '.join(m.exact_ops)}")
     print(f"{'method':<15}{'tokens/s':>10}{'tok/step':>10}{'tok/fwd':>10}{'speedup':>10}{'new tok':>9}")
     for m, s in summary.items():
         sp = f"{s['speedup_vs_hf_generate']:.2f}x" if s["speedup_vs_hf_generate"] else "-"
