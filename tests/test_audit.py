@@ -111,6 +111,19 @@ def test_a_run_directory_with_another_configuration_is_refused(tmp_path):
     assert (out / "records.jsonl").read_text() == before  # nothing recorded is lost
 
 
+def test_a_moved_suite_with_the_same_content_resumes(tmp_path):
+    suite = write_suite(tmp_path / "s.jsonl")
+    out = tmp_path / "run"
+    run_audit(config(suite, dtypes=["fp32"]), out, load=tiny_loader, progress=False)
+    moved = tmp_path / "elsewhere" / "s.jsonl"
+    moved.parent.mkdir()
+    moved.write_bytes(suite.read_bytes())
+    run_audit(config(moved, dtypes=["fp32"]), out, load=tiny_loader, progress=False)  # nothing new to do
+    moved.write_text(moved.read_text().replace("w1", "w2", 1))
+    with pytest.raises(LosslessError, match="suite_sha256"):
+        run_audit(config(moved, dtypes=["fp32"]), out, load=tiny_loader, progress=False)
+
+
 def test_records_hold_the_documented_fields_and_fp32_matches(tmp_path):
     suite = write_suite(tmp_path / "s.jsonl")
     out = tmp_path / "run"

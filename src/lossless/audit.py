@@ -153,8 +153,9 @@ def open_run(run_dir: Path, cfg: AuditConfig, planned: int, command: list[str]) 
     mine = asdict(cfg)
     if path.exists():
         old = json.loads(path.read_text())
-        if old.get("config") != mine:
-            diff = sorted(k for k in mine if old.get("config", {}).get(k) != mine[k])
+        # the suite is identified by its content hash, so a moved checkout (another path) still resumes
+        diff = sorted(k for k in mine if k != "suite" and old.get("config", {}).get(k) != mine[k])
+        if diff:
             raise LosslessError(
                 f"{run_dir} holds a run with a different configuration ({', '.join(diff)}); rerun its own command "
                 f"to resume (see {path}) or choose another --out"
