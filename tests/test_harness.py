@@ -193,6 +193,7 @@ def test_lossless_eval_runs_a_local_task_end_to_end(model_dir, tmp_path, capsys)
     for m in ("ar", "orthrus"):
         assert (out / "harness" / f"{m}_fp32" / "samples_arith.jsonl").exists()
     assert "| arith | fp32 |" in (out / "report.md").read_text()
+    assert (out / "scores.png").stat().st_size > 1000
 
 
 def test_lm_eval_cli_finds_the_registered_model(model_dir, tmp_path):

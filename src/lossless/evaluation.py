@@ -175,8 +175,39 @@ def summarise(out: str | Path) -> dict:
     if cmd.exists():
         summary["commands"] = [c for c in cmd.read_text().splitlines() if c.strip()]
     _atomic_write(out / "summary.json", json.dumps(summary, indent=1))
-    _atomic_write(out / "report.md", render_table(summary))
+    plot = plot_paired(summary, out / "scores.png")
+    _atomic_write(out / "report.md", render_table(summary) + (f"\n![AR vs Orthrus]({plot.name})\n" if plot else ""))
     return summary
+
+
+def plot_paired(summary: dict, path: Path) -> Path | None:
+    """AR and Orthrus scores per task and dtype, and the paired difference with its 95% interval."""
+    from .report import _new_figure
+
+    rows = summary["paired"]
+    if not rows:
+        return None
+    fig, ax = _new_figure(max(5.0, 1.3 * len(rows) + 2), 4.0)
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["ar"] for r in rows], width=0.4, label="ar", color="#7a9cc6")
+    ax.bar([x + 0.2 for x in xs], [r["orthrus"] for r in rows], width=0.4, label="orthrus", color="#e09f5a")
+    ax.set_xticks(list(xs), [f"{r['task']}\n{r['dtype']} n={r['n']}" for r in rows])
+    ax.set_ylabel("score")
+    ax.set_ylim(0, 1.05)
+    diff_ax = ax.twinx()
+    diff_ax.errorbar(list(xs), [r["diff"] for r in rows],
+                     yerr=[[r["diff"] - r["ci95"][0] for r in rows], [r["ci95"][1] - r["diff"] for r in rows]],
+                     fmt="ko", capsize=4, label="orthrus - ar, 95% CI")
+    diff_ax.axhline(0.0, color="k", lw=0.6, ls=":")
+    lim = max(0.1, *(abs(v) for r in rows for v in r["ci95"])) * 1.2
+    diff_ax.set_ylim(-lim, lim)
+    diff_ax.set_ylabel("difference")
+    handles = ax.get_legend_handles_labels()
+    extra = diff_ax.get_legend_handles_labels()
+    ax.legend(handles[0] + extra[0], handles[1] + extra[1], loc="upper left", fontsize=8)
+    ax.set_title("Task scores: AR vs Orthrus (paired bootstrap interval of the difference)")
+    fig.savefig(path, dpi=110)
+    return path
 
 
 def render_table(summary: dict) -> str:
