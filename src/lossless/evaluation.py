@@ -109,7 +109,7 @@ def run_eval(model: str, tasks: list[str], modes: list[str], dtypes: list[str], 
                         f.write(json.dumps(s, default=handle_non_serializable, ensure_ascii=False) + "\n")
                 os.replace(run / f"samples_{short_name(task)}.jsonl.tmp", run / f"samples_{short_name(task)}.jsonl")
                 res["lossless"] = {"model": model, "mode": mode, "dtype": dtype, "attn": attn, "limit": limit,
-                                   "k": k or lm.lm.k, "chat_template": task in CHAT_TASKS}
+                                   "k": k or lm.lm.k, "chat_template": task in CHAT_TASKS, "command": cmd}
                 _atomic_write(run / f"results_{short_name(task)}.json",
                               json.dumps(res, default=handle_non_serializable, indent=1))
                 summarise(out)
@@ -140,6 +140,7 @@ def summarise(out: str | Path) -> dict:
     out = Path(out)
     runs: dict[tuple[str, str, str], tuple[dict, dict]] = {}
     rows = []
+    commands: list[str] = []
     for path in sorted((out / "harness").glob("*/results_*.json")):
         res, samples = _load_run(path)
         info = res.get("lossless", {})
@@ -149,6 +150,8 @@ def summarise(out: str | Path) -> dict:
         task = task_full.removeprefix("lossless_")
         metric, score, stderr = _metric(res["results"][task_full])
         runs[(task, info.get("mode"), info.get("dtype"))] = (res, samples)
+        if info.get("command") and info["command"] not in commands:
+            commands.append(info["command"])
         rows.append({"task": task, "mode": info.get("mode"), "dtype": info.get("dtype"), "attn": info.get("attn"),
                      "metric": metric, "score": score, "stderr": stderr, "n": len(samples)})
     paired = []
@@ -171,9 +174,7 @@ def summarise(out: str | Path) -> dict:
     summary = {"results": rows, "paired": paired,
                "environment": {"python": platform.python_version(), "machine": platform.machine(),
                                "processor": platform.processor() or platform.machine()}}
-    cmd = out / "command.txt"
-    if cmd.exists():
-        summary["commands"] = [c for c in cmd.read_text().splitlines() if c.strip()]
+    summary["commands"] = commands  # the commands that wrote the results summarised (all runs: command.txt)
     _atomic_write(out / "summary.json", json.dumps(summary, indent=1))
     plot = plot_paired(summary, out / "scores.png")
     _atomic_write(out / "report.md", render_table(summary) + (f"\n![AR vs Orthrus]({plot.name})\n" if plot else ""))
