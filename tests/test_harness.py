@@ -194,6 +194,8 @@ def test_lossless_eval_runs_a_local_task_end_to_end(model_dir, tmp_path, capsys)
         assert (out / "harness" / f"{m}_fp32" / "samples_arith.jsonl").exists()
     assert "| arith | fp32 |" in (out / "report.md").read_text()
     assert (out / "scores.png").stat().st_size > 1000
+    assert summary["commands"] == [f"lossless eval --model {model_dir} --tasks arith,capitals --modes ar,orthrus "
+                                   f"--dtypes fp32 --k 4 --limit 2 --out {out} --no-progress"]
 
 
 def test_lm_eval_cli_finds_the_registered_model(model_dir, tmp_path):

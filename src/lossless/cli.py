@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what the user typed, for run records
     try:
         return int(args.func(args) or 0)
     except LosslessError as exc:

@@ -185,7 +185,7 @@ def cmd_audit(args) -> int:
     cfg = audit.AuditConfig(model=args.model, head=args.head, suite=str(args.suite or paths.DEFAULT_SUITE),
                             dtypes=dtypes, attns=attns, max_new_tokens=args.max_new_tokens, k=args.k,
                             limit_per_domain=args.limit_per_domain, device=args.device)
-    result = audit.run_audit(cfg, args.out, shard=args.shard, command=["lossless", *sys.argv[1:]],
+    result = audit.run_audit(cfg, args.out, shard=args.shard, command=["lossless", *args.argv],
                              progress=not args.no_progress)
     print(json.dumps(result))
     return 0
@@ -231,7 +231,7 @@ def cmd_eval(args) -> int:
     dtypes = parse_dtype_list(args.dtypes)
     summary = run_eval(args.model, tasks, modes, dtypes, args.out, attn=args.attn, head=args.head, k=args.k,
                        limit=args.limit, confirm_unsafe=args.confirm_run_unsafe_code, device=args.device,
-                       progress=not args.no_progress, command=["lossless", *sys.argv[1:]])
+                       progress=not args.no_progress, command=["lossless", *args.argv])
     print(render_table(summary))
     print(f"wrote {Path(args.out) / 'summary.json'} and {Path(args.out) / 'report.md'}")
     return 0
