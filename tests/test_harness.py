@@ -190,6 +190,7 @@ def test_lossless_eval_runs_a_local_task_end_to_end(model_dir, tmp_path, capsys)
     assert all(r["n"] == 2 for r in got.values())
     for p in summary["paired"]:
         assert p["n"] == 2 and p["generations_differ"] == 0 and p["diff"] == 0.0  # fp32: same tokens
+        assert p["score_changed"] == 0 and p["score_changed_ci95"][0] == 0.0 < p["score_changed_ci95"][1]
     for m in ("ar", "orthrus"):
         assert (out / "harness" / f"{m}_fp32" / "samples_arith.jsonl").exists()
     assert "| arith | fp32 |" in (out / "report.md").read_text()

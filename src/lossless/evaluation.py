@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .dtypes import dtype_name
 from .errors import LosslessError
-from .stats import paired_bootstrap
+from .stats import paired_bootstrap, wilson_interval
 
 MODES = ("ar", "orthrus")
 CHAT_TASKS = {"lossless_humaneval"}  # asked in the instruct model's chat template; the rest are few-shot text
@@ -167,10 +167,13 @@ def summarise(out: str | Path) -> dict:
         b = [float(or_samples[i][metric]) for i in ids]
         boot = paired_bootstrap(a, b, n_boot=5000, seed=0)
         differ = sum(_response(ar_samples[i]) != _response(or_samples[i]) for i in ids)
+        changed = sum(x != y for x, y in zip(a, b))
         paired.append({"task": task, "dtype": dtype, "metric": metric, "n": len(ids),
                        "ar": sum(a) / len(a), "orthrus": sum(b) / len(b), "diff": boot["diff"],
-                       "ci95": boot["ci95"], "generations_differ": differ,
-                       "score_changed": sum(x != y for x, y in zip(a, b))})
+                       "ci95": boot["ci95"], "generations_differ": differ, "score_changed": changed,
+                       # when no item changes, the bootstrap interval collapses to [0, 0]; this one does not:
+                       # the share of items whose score can change, hence a bound on |diff| for 0/1 metrics
+                       "score_changed_ci95": list(wilson_interval(changed, len(ids)))})
     summary = {"results": rows, "paired": paired,
                "environment": {"python": platform.python_version(), "machine": platform.machine(),
                                "processor": platform.processor() or platform.machine()}}
@@ -215,14 +218,18 @@ def render_table(summary: dict) -> str:
     lines = ["# AR vs Orthrus task scores", ""]
     for c in summary.get("commands", []):
         lines += [f"Command: `{c}`", ""]
-    lines += ["| task | dtype | metric | n | AR | Orthrus | Orthrus - AR [95% CI] | generations differ | scores differ |",
+    lines += ["| task | dtype | metric | n | AR | Orthrus | Orthrus - AR [95% CI] | generations differ "
+              "| scores differ [95% CI of the share] |",
               "|---|---|---|---:|---:|---:|---|---:|---:|"]
     for p in summary["paired"]:
         lo, hi = p["ci95"]
         lines.append(f"| {p['task']} | {p['dtype']} | {p['metric']} | {p['n']} | {p['ar']:.3f} | {p['orthrus']:.3f} "
-                     f"| {p['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {p['generations_differ']} | {p['score_changed']} |")
-    lines += ["", "The interval is a paired bootstrap over items (5,000 resamples). \"generations differ\" counts items",
-              "whose response text differs between the modes; \"scores differ\" those whose item score differs.", "",
+                     f"| {p['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {p['generations_differ']} "
+                     f"| {p['score_changed']} [{p['score_changed_ci95'][0]:.1%}, {p['score_changed_ci95'][1]:.1%}] |")
+    lines += ["", "The difference's interval is a paired bootstrap over items (5,000 resamples); it collapses to",
+              "[0, 0] when no item's score changes, so the last column also gives a Wilson 95% interval for the",
+              "share of items whose score differs between the modes (for 0/1 metrics, a bound on |difference|).",
+              "\"generations differ\" counts items whose response text differs.", "",
               "| task | mode | dtype | metric | n | score | stderr |", "|---|---|---|---|---:|---:|---:|"]
     for r in summary["results"]:
         se = f"{r['stderr']:.3f}" if r["stderr"] is not None else "-"
