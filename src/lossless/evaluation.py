@@ -104,10 +104,8 @@ def run_eval(model: str, tasks: list[str], modes: list[str], dtypes: list[str], 
                     use_cache=str(out / "cache" / f"{short_name(task)}_{mode}_{dtype}"),
                     bootstrap_iters=1000, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
                 samples = res.pop("samples", {}).get(task, [])
-                with (run / f"samples_{short_name(task)}.jsonl.tmp").open("w") as f:
-                    for s in samples:
-                        f.write(json.dumps(s, default=handle_non_serializable, ensure_ascii=False) + "\n")
-                os.replace(run / f"samples_{short_name(task)}.jsonl.tmp", run / f"samples_{short_name(task)}.jsonl")
+                _atomic_write(run / f"samples_{short_name(task)}.jsonl", "".join(
+                    json.dumps(s, default=handle_non_serializable, ensure_ascii=False) + "\n" for s in samples))
                 res["lossless"] = {"model": model, "mode": mode, "dtype": dtype, "attn": attn, "limit": limit,
                                    "k": k or lm.lm.k, "chat_template": task in CHAT_TASKS, "command": cmd}
                 _atomic_write(run / f"results_{short_name(task)}.json",
