@@ -102,7 +102,9 @@ def main(argv=None) -> int:
     methods = list(variants)
     per_prompt: dict[str, list[dict]] = {m: [] for m in methods}
     hist: dict[str, Counter] = {m: Counter() for m in methods}
-    run_ours(model, encoded[0], 8, "ar", None)  # warm-up
+    for warm in (model, *extra.values()):  # warm-up: first calls allocate and pick kernels
+        for kind in ("ar", "orthrus"):
+            run_ours(warm, encoded[0], 8, kind, args.k)
     for ids in encoded:
         reps: dict[str, list[dict]] = {m: [] for m in methods}
         for _ in range(args.repeats):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from conftest import NO_EOS, perturb_head, tiny_backbone
 from lossless.decoding import DecodeConfig, decode
 from lossless.errors import LosslessError
-from lossless.exact import CHUNK, enable_exact, exact_attention
+from lossless.exact import MIRROR_ATTR, ExactCacheLayer, enable_exact, exact_attention, position_major_fp32
 from lossless.model import OrthrusLM
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -43,7 +43,7 @@ def block_and_single(model, ids, prefix_len, k):
 @given(data=st.data())
 def test_block_logits_equal_one_at_a_time_bitwise(family, dtype, row_group, data):
     model = exact_tiny(family, dtype, row_group)
-    prefix_len = data.draw(st.integers(1, 2 * CHUNK + 5), label="prefix")
+    prefix_len = data.draw(st.integers(1, 133), label="prefix")
     k = data.draw(st.integers(1, 16), label="block")
     ids = data.draw(st.lists(st.integers(0, 62), min_size=prefix_len + k, max_size=prefix_len + k), label="ids")
     block, single, cache, cache_single = block_and_single(model, ids, prefix_len, k)
@@ -87,6 +87,69 @@ def test_exact_orthrus_equals_exact_ar_with_rejections(family, dtype):
         orth = decode(model, prompt, "orthrus", cfg)
         assert orth.generated == ar.generated
         assert 0 in orth.stats.accepted  # the perturbed head is rejected sometimes: verify does real work
+
+
+def assert_mirror_matches(cache):
+    for layer in cache.layers:
+        assert isinstance(layer, ExactCacheLayer)
+        n = layer.keys.shape[-2]
+        assert layer._kbuf.shape[0] >= n
+        assert torch.equal(layer._kbuf[:n], position_major_fp32(layer.keys))
+        assert torch.equal(layer._vbuf[:n], position_major_fp32(layer.values))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_exact_cache_keeps_its_fp32_copy_equal_to_the_cache(family, dtype):
+    model = exact_tiny(family, dtype)
+    ids = torch.randint(0, 63, (400,), generator=torch.Generator().manual_seed(1)).tolist()
+    cache, _ = model.prefill(ids[:60])
+    assert_mirror_matches(cache)
+    pos = 60
+    # blocks of several sizes through buffer growth, and rejections cropping the cache back
+    for block, keep in ((3, 3), (9, 2), (16, 16), (16, 1), (1, 1), (13, 13), (16, 4), *[(16, 16)] * 11):
+        model.verify(cache, ids[pos:pos + block])
+        assert_mirror_matches(cache)
+        cache.crop(keep - block)
+        pos += keep
+        assert_mirror_matches(cache)
+        assert cache.get_seq_length() == pos
+    assert pos > 256  # the buffers grew several times
+
+
+def test_exact_attention_reads_the_mirror_bitwise_like_the_cache(family):
+    model = exact_tiny(family, torch.bfloat16)
+    cache, _ = model.prefill(list(range(1, 50)))
+    layer = cache.layers[0]
+    keys, values = layer.update(torch.randn(1, *layer.keys.shape[1:2], 5, layer.keys.shape[-1]).to(torch.bfloat16),
+                                torch.randn(1, *layer.keys.shape[1:2], 5, layer.keys.shape[-1]).to(torch.bfloat16))
+    assert hasattr(keys, MIRROR_ATTR)
+    heads = model.config.num_attention_heads
+    q = torch.randn(1, heads, 5, keys.shape[-1]).to(torch.bfloat16)
+    with_mirror, _ = exact_attention(None, q, keys, values, None, scaling=0.125, is_causal=True)
+    without, _ = exact_attention(None, q, keys.clone(), values, None, scaling=0.125, is_causal=True)
+    assert not hasattr(keys.clone(), MIRROR_ATTR)
+    assert torch.equal(with_mirror, without)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_exact_attention_computes_causal_attention_over_the_cache(dtype):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, heads, n, 16) for heads, n in ((6, 5), (2, 40), (2, 40)))
+    causal = torch.arange(40)[None] <= torch.arange(35, 40)[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=0.25, enable_gqa=True)
+    for mask in (None, causal[None, None]):
+        got, _ = exact_attention(None, q.to(dtype), k.to(dtype), v.to(dtype), mask, scaling=0.25, is_causal=True)
+        assert got.dtype == dtype and got.shape == (1, 5, 6, 16)
+        assert torch.allclose(got.float(), want.transpose(1, 2), atol=2e-2 if dtype != torch.float32 else 1e-5)
+
+
+def test_exact_attention_refuses_batches_and_other_masks():
+    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 10, 8)
+    with pytest.raises(LosslessError, match="batch 1"):
+        exact_attention(None, q, k, k, None, scaling=1.0, is_causal=True)
+    everything = torch.ones(1, 1, 3, 10, dtype=torch.bool)
+    with pytest.raises(LosslessError, match="causal"):
+        exact_attention(None, q[:1], k[:1], k[:1], everything, scaling=1.0, is_causal=True)
 
 
 def test_exact_attention_refuses_non_cpu_tensors():

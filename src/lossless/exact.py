@@ -1,27 +1,35 @@
 """Exact mode: attention whose per-query result does not depend on how many queries run together.
 
-`exact_attention` is registered with the transformers attention interface as "exact". For a query at
-absolute position p it always performs the same floating-point operations, whether it is decoded
-alone (AR) or inside a block of k queries (Orthrus verify):
+`exact_attention` is registered with the transformers attention interface as "exact". A query at
+absolute position p is computed by the same calls, on arrays of the same shapes, strides and
+contents, whether it is decoded alone (AR) or inside a block of k queries (Orthrus verify):
 
-- keys are split into fixed-size chunks at absolute boundaries (0, C, 2C, ...), padded to C;
-- q.k dot products and p.v sums are elementwise products reduced over a contiguous axis of fixed
-  length (head_dim, then C), in fp32 - never a matmul, whose reduction order depends on its shape;
-- the softmax uses the row's maximum over visible keys (exact) and sums chunk results with a scan
-  (left to right), so chunks that a block adds beyond the row's position contribute exact zeros.
+- each query row is its own computation: q.K^T over exactly the keys at positions 0..p (the cache
+  prefix it may see, nothing more, so no masking), softmax, then P.V over the same prefix, in fp32;
+- its keys and values are read from a position-major fp32 copy of the cache, `[positions, b, kv, d]`,
+  whose prefix 0..p has the same layout however long the cache is; `ExactCacheLayer` (the cache
+  `OrthrusLM.new_cache` makes in exact mode) keeps that copy, writing each position once;
+- the query row is copied into a fresh contiguous buffer.
 
-A forward with no cache (a prefill: as many keys as queries) uses stock SDPA: AR and Orthrus run the
-identical prefill, so it needs no invariance, and SDPA is much faster there.
+So the AR step at position p and the block row at position p make identical calls on identical inputs;
+CPU kernels are deterministic for identical inputs in one process, so the results are bitwise equal,
+with no assumption about how any kernel orders its reductions. (A CUDA version would need the same
+property from its kernels, e.g. a fixed split size; there the kernel raises rather than falling back.)
+
+Two kinds of call use stock SDPA, as they need no invariance and SDPA is faster: a forward with no
+cache (a prefill: as many keys as queries), which AR and Orthrus run identically, and the draft view's
+bidirectional pass (`is_causal=False`), which only proposes tokens; the verify pass decides what is
+committed, and the cache the draft reads is the one exact mode keeps bitwise equal.
 
 Linear layers (projections, MLP, LM head) run in fixed groups of rows (`FixedRowsLinearMixin`): a
 GEMM's per-row result can depend on how many rows it multiplies (always in fp32 on the CPUs measured,
 rarely and data-dependently in bf16). The group size is 8 where the CPU multiplies the dtype natively
 in wide SIMD (8 rows then cost about what 1 does) and 1 elsewhere (each row its own matrix-vector
-product, the very call single-token decoding makes); see `default_row_group`. Norms, rotary and activations are row-wise and were measured by
-`lossless probe` to be batch-invariant already, so they are left alone. The kernel is CPU-only: on CUDA it
-raises rather than silently falling back (a CUDA version would use a fixed split *size* as well).
+product, the very call single-token decoding makes); see `default_row_group`. Norms, rotary and
+activations are row-wise and were measured by `lossless probe` to be batch-invariant already, so they
+are left alone.
 
-This module does not know decoding; it only provides the kernel and its registration.
+This module does not know decoding; it only provides the kernels, the cache layer and the registration.
 """
 
 from __future__ import annotations
@@ -30,11 +38,13 @@ import os
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from .errors import LosslessError
 
 EXACT = "exact"
-CHUNK = 64  # keys per chunk; fixed, so a row's reduction structure depends only on its own position
+MIRROR_ATTR = "_lossless_exact_fp32"  # on the key tensor an ExactCacheLayer returns: (keys, values) [cap, b, kv, d]
 
 
 def exact_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, is_causal=None, **kwargs):
@@ -43,50 +53,92 @@ def exact_attention(module, query, key, value, attention_mask, scaling, dropout=
         raise LosslessError("attn=exact has only a CPU kernel so far; use --device cpu or --attn sdpa")
     b, h, q, d = query.shape
     kv_heads, n = key.shape[1], key.shape[2]
-    if n == q and is_causal is not False:
+    if (n == q and is_causal is not False) or is_causal is False:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    visible = _visibility(attention_mask, is_causal, b, q, n, query.device)  # [b|1, 1, q, n] bool or None
-    chunks = -(-n // CHUNK)
-    pad = chunks * CHUNK - n
+    _check_causal_prefixes(attention_mask, b, q, n)
+    mirror = getattr(key, MIRROR_ATTR, None)
+    if mirror is not None:
+        keys, values = mirror
+    else:  # a plain cache: the same layout, made for this call (same numbers, so the same results)
+        keys, values = position_major_fp32(key), position_major_fp32(value)
     groups = h // kv_heads
-    qf = query.float().reshape(b, kv_heads, groups, q, 1, 1, d)
-    kf = F.pad(key.float(), (0, 0, 0, pad)).reshape(b, kv_heads, 1, 1, chunks, CHUNK, d)
-    # value with the chunk axis innermost, so p.v is also a contiguous fixed-length reduction
-    vf = F.pad(value.float(), (0, 0, 0, pad)).reshape(b, kv_heads, chunks, CHUNK, d).transpose(-1, -2)
-    vf = vf.reshape(b, kv_heads, 1, 1, chunks, d, CHUNK).contiguous()
-    scores = (qf * kf).sum(-1) * scaling  # [b, kv, g, q, chunks, C]
-    if visible is not None:
-        keep = F.pad(visible, (0, pad), value=False).reshape(visible.shape[0], 1, 1, q, chunks, CHUNK)
-        scores = scores.masked_fill(~keep, float("-inf"))
-    elif pad:  # every key visible (a single decoding row, or the draft view): only the padding is hidden
-        scores.view(*scores.shape[:-2], chunks * CHUNK)[..., n:] = float("-inf")
-    # every row sees at least one key (its own position, or its block), so the row maximum is finite
-    row_max = scores.amax(dim=(-1, -2), keepdim=True)  # exact, order-free
-    probs = torch.exp(scores - row_max)  # [b, kv, g, q, chunks, C]
-    chunk_sum = probs.sum(-1)  # [b, kv, g, q, chunks]
-    chunk_out = (probs.unsqueeze(-2) * vf).sum(-1)  # [b, kv, g, q, chunks, d]
-    # sequential sums over chunks (a scan adds left to right), so the all-masked chunks a block adds
-    # beyond a row's position contribute exact zeros after the row's own total
-    total = torch.cumsum(chunk_sum, dim=-1)[..., -1]
-    acc = torch.cumsum(chunk_out, dim=-2)[..., -1, :]
-    out = (acc / total.unsqueeze(-1)).to(query.dtype).reshape(b, h, q, d)
-    return out.transpose(1, 2).contiguous(), None
+    rows = []
+    for r in range(q):
+        p = n - q + r  # the row's absolute position: it sees keys 0..p
+        # a fresh, contiguous (so aligned) fp32 buffer, whether the row came alone or as part of a block
+        qr = query[:, :, r].reshape(b, kv_heads, groups, d).to(torch.float32, memory_format=torch.contiguous_format,
+                                                                 copy=True)
+        scores = torch.matmul(qr, keys[: p + 1].permute(1, 2, 3, 0))  # [b, kv, g, p+1]
+        scores.mul_(scaling)
+        probs = torch.softmax(scores, dim=-1)
+        rows.append(torch.matmul(probs, values[: p + 1].permute(1, 2, 0, 3)))  # [b, kv, g, d]
+    out = torch.stack(rows, dim=1).reshape(b, q, h, d)
+    return out.to(query.dtype), None
 
 
-def _visibility(mask, is_causal, b, q, n, device):
-    """Which keys each query may see, as bool [b|1, 1, q, n]; None = all."""
+def position_major_fp32(states: torch.Tensor) -> torch.Tensor:
+    """[b, kv, n, d] -> fp32 [n, b, kv, d], contiguous: any prefix of positions has the same layout."""
+    return states.float().permute(2, 0, 1, 3).contiguous()
+
+
+def _check_causal_prefixes(mask, b, q, n):
+    """Exact attention serves batch-1 causal decoding: the q queries are the last q positions and each
+    sees every key up to its own. Anything else (padding, custom masks) is refused, not approximated."""
+    if b != 1:
+        raise LosslessError("attn=exact decodes one sequence at a time (batch 1); use --attn sdpa for batches")
     if mask is None:
-        if is_causal is False or q == 1:  # bidirectional, or one query that sees every cached key
-            return None
-        offset = n - q  # batch 1, no padding: queries are the last q positions
-        rows = torch.arange(q, device=device)[:, None] + offset
-        return (torch.arange(n, device=device)[None, :] <= rows)[None, None]
-    if mask.dtype == torch.bool:
-        return mask[..., -n:]
-    return mask[..., -n:] > torch.finfo(mask.dtype).min / 2  # additive float mask: 0 visible
+        return
+    visible = mask[..., -n:] if mask.dtype == torch.bool else mask[..., -n:] > torch.finfo(mask.dtype).min / 2
+    causal = torch.arange(n, device=mask.device)[None, :] <= torch.arange(n - q, n, device=mask.device)[:, None]
+    if not bool((visible == causal).all()):
+        raise LosslessError("attn=exact supports causal attention over the cache only (no padding or custom masks)")
+
+
+class ExactCacheLayer(DynamicLayer):
+    """A DynamicLayer that also holds its keys and values as fp32 `[positions, b, kv, d]` buffers (see
+    `position_major_fp32`), written once per new position and grown by doubling, rather than converting
+    the whole cache on every forward. The buffers ride on the key tensor `update` returns; positions past
+    the cache (after a crop) are never read, as each query reads only the prefix up to itself."""
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        b, kv, _, d = key_states.shape
+        self._kbuf = key_states.new_zeros(0, b, kv, d, dtype=torch.float32)
+        self._vbuf = key_states.new_zeros(0, b, kv, d, dtype=torch.float32)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        start = self.get_seq_length()
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        end = keys.shape[-2]
+        if end > self._kbuf.shape[0]:
+            self._kbuf, self._vbuf = (self._grown(buf, max(end, 2 * buf.shape[0])) for buf in (self._kbuf, self._vbuf))
+        self._kbuf[start:end] = key_states.float().permute(2, 0, 1, 3)
+        self._vbuf[start:end] = value_states.float().permute(2, 0, 1, 3)
+        setattr(keys, MIRROR_ATTR, (self._kbuf, self._vbuf))
+        return keys, values
+
+    @staticmethod
+    def _grown(buf: torch.Tensor, size: int) -> torch.Tensor:
+        return torch.cat([buf, buf.new_zeros(size - buf.shape[0], *buf.shape[1:])])
+
+    def reset(self) -> None:
+        super().reset()
+        self._kbuf = self._vbuf = None
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise LosslessError("exact-mode caches hold one sequence; beam search is not supported with attn=exact")
+
+    batch_select_indices = batch_repeat_interleave
+
+
+def exact_cache(config) -> DynamicCache:
+    """A DynamicCache whose full-attention layers keep the fp32 copy `exact_attention` reads."""
+    cache = DynamicCache(config=config)
+    cache.layers = [ExactCacheLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
 
 
 def register_exact() -> None:
@@ -101,6 +153,7 @@ def register_exact() -> None:
 
 ROW_GROUP = 8  # the group size where the CPU multiplies the dtype natively (M=8 then costs about what M=1 does)
 ROW_GROUP_ENV = "LOSSLESS_EXACT_ROW_GROUP"
+ALIGN = 64  # bytes; the CPU allocator's alignment, so a fresh single-row buffer always has it
 # CPU flags under which a dtype's GEMMs run natively in wide SIMD, so a group of 8 rows is cheap
 _NATIVE_FLAGS = {torch.float32: ("avx512f",), torch.bfloat16: ("avx512_bf16", "amx_bf16"),
                  torch.float16: ("avx512_fp16", "amx_fp16")}
@@ -154,9 +207,11 @@ class FixedRowsLinearMixin:
         if n > self.max_grouped_rows:
             return F.linear(x, self.weight, self.bias)
         group = self.row_group
-        if group == 1:  # each row alone, in its own buffer, exactly as a single decoding step calls it
-            out = torch.cat([F.linear(r.clone(), self.weight, self.bias) for r in rows.split(1)])
-            return out.reshape(*shape[:-1], -1)
+        if group == 1:  # each row alone, as a [1, in] matrix at a 64-byte-aligned address, exactly as a single
+            # decoding step calls it (a row of a block is copied only when its address is not aligned)
+            outs = [F.linear(r if r.data_ptr() % ALIGN == 0 else r.clone(), self.weight, self.bias)
+                    for r in rows.split(1)]
+            return (outs[0] if n == 1 else torch.cat(outs)).reshape(*shape[:-1], -1)
         pad = (-n) % group
         if pad:
             rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])

@@ -144,6 +144,10 @@ class OrthrusLM(nn.Module):
 
     # ---------------------------------------------------------------------------------------- forwards
     def new_cache(self) -> DynamicCache:
+        if self.attn == "exact":  # keeps the layout the exact kernel reads up to date, position by position
+            from .exact import exact_cache
+
+            return exact_cache(self.config)
         return DynamicCache(config=self.config)
 
     def _lm_forward(self, ids: torch.Tensor, pos: int, cache: DynamicCache, last_only: bool = False) -> torch.Tensor:
