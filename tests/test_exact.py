@@ -194,3 +194,17 @@ def test_single_row_groups_make_exact_ar_linears_the_stock_ones():
     got = lin(x)
     for i in range(5):
         assert torch.equal(got[:, i:i + 1], want[i])
+
+
+def test_stock_linears_bypass_row_groups_only_inside_the_block():
+    from lossless.exact import make_linears_fixed_rows, stock_linears
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(48, 80)
+    x = torch.randn(1, 5, 48)
+    stock = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    make_linears_fixed_rows(lin, row_group=8)
+    with stock_linears():
+        assert torch.equal(lin(x), stock)
+    rows = torch.cat([x[0], x.new_zeros(3, 48)])  # outside: the 8-row group, zero-padded
+    assert torch.equal(lin(x)[0], torch.nn.functional.linear(rows, lin.weight, lin.bias)[:5])

@@ -19,7 +19,8 @@ property from its kernels, e.g. a fixed split size; there the kernel raises rath
 Two kinds of call use stock SDPA, as they need no invariance and SDPA is faster: a forward with no
 cache (a prefill: as many keys as queries), which AR and Orthrus run identically, and the draft view's
 bidirectional pass (`is_causal=False`), which only proposes tokens; the verify pass decides what is
-committed, and the cache the draft reads is the one exact mode keeps bitwise equal.
+committed, and the cache the draft reads is the one exact mode keeps bitwise equal. The draft pass
+also runs its linear layers stock (`stock_linears`).
 
 Linear layers (projections, MLP, LM head) run in fixed groups of rows (`FixedRowsLinearMixin`): a
 GEMM's per-row result can depend on how many rows it multiplies (always in fp32 on the CPUs measured,
@@ -35,6 +36,8 @@ This module does not know decoding; it only provides the kernels, the cache laye
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -189,6 +192,20 @@ def default_row_group(dtype: torch.dtype) -> int:
     return ROW_GROUP if any(f in _cpu_flags() for f in _NATIVE_FLAGS.get(dtype, ())) else 1
 
 
+_STOCK_LINEARS: ContextVar[bool] = ContextVar("lossless_stock_linears", default=False)
+
+
+@contextmanager
+def stock_linears():
+    """Within this block, fixed-row linears take the stock path (for passes that need no invariance:
+    the draft view only proposes tokens, so its GEMMs may batch rows however is fastest)."""
+    token = _STOCK_LINEARS.set(True)
+    try:
+        yield
+    finally:
+        _STOCK_LINEARS.reset(token)
+
+
 class FixedRowsLinearMixin:
     """A Linear whose row results do not depend on how many rows are multiplied together: rows are
     processed in groups of exactly `row_group` (zero-padded), so a single decoding row and the same row
@@ -202,6 +219,8 @@ class FixedRowsLinearMixin:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if _STOCK_LINEARS.get():
+            return F.linear(x, self.weight, self.bias)
         if self.row_group == 1 and x.numel() == shape[-1] and x.is_contiguous() and x.data_ptr() % ALIGN == 0:
             # a single decoding row: the very call each row of a block makes below, minus the bookkeeping
             return F.linear(x.view(1, shape[-1]), self.weight, self.bias).view(*shape[:-1], -1)

@@ -23,6 +23,7 @@ from . import head as headfile
 from .dtypes import dtype_name
 from .dualview import DraftSpec, backbone_parameters, diff_parameters, diff_reference_parameters, install_dual_view
 from .errors import LosslessError
+from .exact import stock_linears
 
 
 class OrthrusLM(nn.Module):
@@ -193,10 +194,12 @@ class OrthrusLM(nn.Module):
 
     def draft_hidden(self, embeds: torch.Tensor, position_ids: torch.Tensor, cache=None,
                      spec: DraftSpec | None = None) -> torch.Tensor:
-        """Draft view over block embeddings [1, q, d] at `position_ids` [1, q]. Returns logits [q, V]."""
-        out = self.backbone.model(inputs_embeds=embeds, position_ids=position_ids, cache=cache, use_cache=False,
-                                  orthrus_draft=spec or DraftSpec())
-        return self.backbone.lm_head(out.last_hidden_state)[0]
+        """Draft view over block embeddings [1, q, d] at `position_ids` [1, q]. Returns logits [q, V].
+        Drafts only propose, so they run on stock kernels even in exact mode."""
+        with stock_linears():
+            out = self.backbone.model(inputs_embeds=embeds, position_ids=position_ids, cache=cache, use_cache=False,
+                                      orthrus_draft=spec or DraftSpec())
+            return self.backbone.lm_head(out.last_hidden_state)[0]
 
     @torch.no_grad()
     def draft(self, cache: DynamicCache, last_token: int, k: int) -> torch.Tensor:
