@@ -23,7 +23,7 @@ from . import head as headfile
 from .dtypes import dtype_name
 from .dualview import DraftSpec, backbone_parameters, diff_parameters, diff_reference_parameters, install_dual_view
 from .errors import LosslessError
-from .exact import stock_linears
+from .exact import EXACT, exact_cache, stock_linears
 
 
 class OrthrusLM(nn.Module):
@@ -145,9 +145,7 @@ class OrthrusLM(nn.Module):
 
     # ---------------------------------------------------------------------------------------- forwards
     def new_cache(self) -> DynamicCache:
-        if self.attn == "exact":  # keeps the layout the exact kernel reads up to date, position by position
-            from .exact import exact_cache
-
+        if self.attn == EXACT:  # keeps the layout the exact kernel reads up to date, position by position
             return exact_cache(self.config)
         return DynamicCache(config=self.config)
 
