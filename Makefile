@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo test test-fast head bench clean
+.PHONY: install demo test test-fast head bench study study-report clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +29,21 @@ HEAD_ARGS := --model smollm2-135m --out heads/smollm2-135m --k 8 --steps 500 --l
 head: $(STAMP)
 	if [ -f heads/smollm2-135m/checkpoint.pt ]; then $(BIN)/lossless train $(HEAD_ARGS) --resume; \
 	else $(BIN)/lossless train $(HEAD_ARGS); fi
+
+# the full study (results/full-study/README.md): resumable from the committed records, on any machine;
+# STUDY_PROCS processes (one per core) split the items by rank. Days of CPU: run it in the background.
+STUDY_CONFIGS := bf16/sdpa,bf16/eager,fp32/sdpa,fp16/sdpa:20,bf16/exact,fp16/exact:20
+STUDY_PROCS   ?= 1
+study: $(STAMP)
+	if [ "$(STUDY_PROCS)" = 1 ]; then OMP_NUM_THREADS=1 $(BIN)/lossless audit --configs $(STUDY_CONFIGS) \
+		--max-new-tokens 128 --out results/full-study; \
+	else OMP_NUM_THREADS=1 $(BIN)/accelerate launch --multi_gpu --num_processes $(STUDY_PROCS) --num_machines 1 \
+		--mixed_precision no --dynamo_backend no -m lossless audit --configs $(STUDY_CONFIGS) \
+		--max-new-tokens 128 --out results/full-study; fi
+
+# the study's report, summary and plots, rebuilt from its committed records only
+study-report: $(STAMP)
+	$(BIN)/lossless report results/full-study
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/speed.py --model smollm2-135m --dtype bf16 --attn sdpa,exact --limit 6 --repeats 2 --max-new-tokens 128

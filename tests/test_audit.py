@@ -1,13 +1,22 @@
-"""The audit runner on tiny random models: suite parsing, append-only resume after a kill, shards that
-merge, refusal of a mismatched run directory, exact mode's two references, and audit -> report."""
+"""The audit runner on tiny random models: suite parsing, compressed records that resume after a kill, on a
+moved checkout and across machines, shards (also by rank under accelerate launch) that merge, plans, reference
+reuse, one head per study, refusal of a mismatched run directory, exact mode's two references, audit -> report."""
 
+import gzip
 import json
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import perturb_head, tiny_backbone, tiny_tokenizer
-from lossless.audit import AuditConfig, interleave_domains, limit_per_domain, load_suite, run_audit
+from conftest import perturb_head, save_tiny_model_dir, tiny_backbone, tiny_tokenizer
+from lossless.audit import (AuditConfig, interleave_domains, limit_per_domain, load_suite, locate_head, parse_config,
+                            run_audit)
+from lossless.head import stored_head_digest
+from lossless.records import read_records
 from lossless.cli import main
 from lossless.errors import LosslessError
 from lossless.exact import enable_exact
@@ -68,22 +77,72 @@ def test_malformed_suite_line_names_file_and_line(tmp_path, line, message):
         load_suite(path)
 
 
-def test_resume_after_a_kill_gives_no_duplicates_and_no_gaps(tmp_path):
+def plain_file(out, writer="all"):
+    return out / "records" / f"{writer}.jsonl"
+
+
+def segments(out):
+    return sorted((out / "records").glob("*.jsonl.gz"))
+
+
+def test_records_rest_in_compressed_segments_and_a_killed_run_resumes(tmp_path):
     suite = write_suite(tmp_path / "s.jsonl")
     out = tmp_path / "run"
     run_audit(config(suite), out, load=tiny_loader, progress=False)
-    path = out / "records.jsonl"
-    full = path.read_text().splitlines()
+    assert plain_file(out).read_text() == "" and len(segments(out)) == 1  # a clean stop compresses
+    full = gzip.decompress(segments(out)[0].read_bytes()).decode().splitlines()
     assert len(full) == 12
-    # simulate a kill mid-write: three complete records and half of the fourth
-    path.write_text("\n".join(full[:3]) + "\n" + full[3][: len(full[3]) // 2])
+    # a kill mid-write, before any roll: three complete items in the plain file and half of the fourth
+    segments(out)[0].unlink()
+    plain_file(out).write_text("\n".join(full[:3]) + "\n" + full[3][: len(full[3]) // 2])
     result = run_audit(config(suite), out, load=tiny_loader, progress=False)
     assert result["new_records"] == 9
-    lines = path.read_text().splitlines()
-    keys = [json.loads(line)["key"] for line in lines]  # every line decodes: the torn tail was cut
+    keys = [r["key"] for r in read_records(out)]
     assert sorted(keys) == sorted(json.loads(line)["key"] for line in full) and len(set(keys)) == 12
     # rerunning a finished run records nothing
     assert run_audit(config(suite), out, load=tiny_loader, progress=False)["new_records"] == 0
+
+
+def test_a_kill_between_compressing_and_emptying_the_plain_file_loses_and_repeats_nothing(tmp_path):
+    suite = write_suite(tmp_path / "s.jsonl")
+    out = tmp_path / "run"
+    run_audit(config(suite, dtypes=["fp32"]), out, load=tiny_loader, progress=False)
+    lines = gzip.decompress(segments(out)[0].read_bytes()).decode()
+    plain_file(out).write_text(lines)  # the segment was written, the plain file not yet emptied
+    assert run_audit(config(suite, dtypes=["fp32"]), out, load=tiny_loader, progress=False)["new_records"] == 0
+    assert len(read_records(out)) == 6 and plain_file(out).read_text() == ""
+    assert len(segments(out)) == 1  # the repeated lines were dropped, not rolled into a second segment
+
+
+def test_a_truncated_segment_loses_only_its_tail(tmp_path):
+    suite = write_suite(tmp_path / "s.jsonl")
+    out = tmp_path / "run"
+    run_audit(config(suite, dtypes=["fp32"]), out, load=tiny_loader, progress=False)
+    seg = segments(out)[0]
+    raw = seg.read_bytes()
+    seg.write_bytes(raw[: len(raw) // 2])
+    assert len(read_records(out)) < 6
+    assert run_audit(config(suite, dtypes=["fp32"]), out, load=tiny_loader, progress=False)["new_records"] > 0
+    assert len(read_records(out)) == 6
+
+
+def test_a_moved_checkout_and_another_machines_records_merge(tmp_path):
+    """Shard 0 runs here, shard 1 on 'another machine' (a copy of the run directory elsewhere); its
+    committed segments arrive by copy, and the merged run is the whole run, resumable with nothing to do."""
+    suite = write_suite(tmp_path / "s.jsonl")
+    here, there = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    run_audit(config(suite), here, shard="0/2", load=tiny_loader, progress=False)
+    shutil.copytree(here, there)  # a checkout on another machine
+    run_audit(config(suite), there, shard="1/2", load=tiny_loader, progress=False)
+    for seg in segments(there):
+        if not (here / "records" / seg.name).exists():
+            shutil.copy(seg, here / "records" / seg.name)
+    records, info = load_run(here)
+    assert len(records) == 12 == info["planned"]
+    whole = tmp_path / "whole"
+    run_audit(config(suite), whole, load=tiny_loader, progress=False)
+    assert {r["key"]: r["orthrus_ids"] for r in records} == {r["key"]: r["orthrus_ids"] for r in load_run(whole)[0]}
+    assert run_audit(config(suite), here, load=tiny_loader, progress=False)["new_records"] == 0
 
 
 def test_shards_split_the_work_and_report_merges_them(tmp_path):
@@ -91,8 +150,8 @@ def test_shards_split_the_work_and_report_merges_them(tmp_path):
     out = tmp_path / "run"
     for i in range(3):
         run_audit(config(suite), out, shard=f"{i}/3", load=tiny_loader, progress=False)
-    files = sorted(p.name for p in out.glob("records*.jsonl"))
-    assert files == ["records.shard-0-of-3.jsonl", "records.shard-1-of-3.jsonl", "records.shard-2-of-3.jsonl"]
+    writers = sorted({p.name.split(".")[0] for p in segments(out)})
+    assert writers == ["shard-0-of-3", "shard-1-of-3", "shard-2-of-3"]
     records, info = load_run(out)
     assert len(records) == 12 == info["planned"]
     whole = tmp_path / "whole"
@@ -101,14 +160,104 @@ def test_shards_split_the_work_and_report_merges_them(tmp_path):
     assert {r["key"]: r["orthrus_ids"] for r in records} == by_key
 
 
+def test_a_plan_runs_configuration_by_configuration_with_per_domain_limits(tmp_path):
+    suite = write_suite(tmp_path / "s.jsonl")
+    out = tmp_path / "run"
+    cfg = config(suite, configs=["fp32/sdpa", "bf16/sdpa:1"])
+    result = run_audit(cfg, out, load=tiny_loader, progress=False)
+    assert result["planned_records"] == 6 + 3
+    keys = [json.loads(line)["key"] for line in gzip.decompress(segments(out)[0].read_bytes()).decode().splitlines()]
+    assert keys == ["d0-0|fp32|sdpa", "d1-0|fp32|sdpa", "d2-0|fp32|sdpa", "d0-1|fp32|sdpa", "d1-1|fp32|sdpa",
+                    "d2-1|fp32|sdpa", "d0-0|bf16|sdpa", "d1-0|bf16|sdpa", "d2-0|bf16|sdpa"]
+    for bad in ("bf16", "bf16/flash", "bf16/sdpa:0", "bf16/sdpa:x", "fp8/sdpa"):
+        with pytest.raises(LosslessError):
+            parse_config(bad)
+
+
+def test_exact_mode_reuses_the_stock_reference_of_an_earlier_configuration(tmp_path):
+    suite = write_suite(tmp_path / "s.jsonl")
+    out = tmp_path / "run"
+    run_audit(config(suite, configs=["bf16/sdpa", "bf16/exact"]), out, load=tiny_loader, progress=False)
+    by_key = {r["key"]: r for r in load_run(out)[0]}
+    assert len(by_key) == 6 * 3
+    for pid in ("d0-0", "d1-1", "d2-0"):
+        stock, vs_stock = by_key[f"{pid}|bf16|sdpa"], by_key[f"{pid}|bf16|exact|ref-sdpa"]
+        assert vs_stock["reference_reused"] and not stock["reference_reused"]
+        assert vs_stock["ar_ids"] == stock["ar_ids"] and vs_stock["ref_log_ppl"] == stock["ref_log_ppl"]
+        assert vs_stock["orthrus_ids"] == by_key[f"{pid}|bf16|exact"]["orthrus_ids"]
+    # alone, exact mode computes the stock reference itself, and gets the same tokens
+    alone = tmp_path / "alone"
+    run_audit(config(suite, configs=["bf16/exact"]), alone, load=tiny_loader, progress=False)
+    for r in load_run(alone)[0]:
+        assert not r["reference_reused"]
+        assert r["ar_ids"] == by_key[r["key"]]["ar_ids"]
+
+
+def test_one_study_keeps_one_head(tmp_path):
+    suite = write_suite(tmp_path / "s.jsonl")
+    out = tmp_path / "run"
+    run_audit(config(suite, dtypes=["fp32"]), out, load=tiny_loader, progress=False)
+    assert json.loads((out / "run.json").read_text())["config"]["head_digest"] == "untrained"
+    assert {r["head"] for r in read_records(out)} == {"untrained"}
+
+    def other_head(dtype, attn):
+        model = tiny_loader(dtype, attn)
+        model.head_digest = "0123456789abcdef"
+        return model
+
+    with pytest.raises(LosslessError, match="one study keeps one head"):
+        run_audit(config(suite, dtypes=["fp32"]), out, load=other_head, progress=False)
+
+
+def test_a_pinned_head_is_found_by_its_digest(tmp_path, monkeypatch):
+    import lossless.paths
+
+    heads = tmp_path / "heads"
+    model = tiny_loader("fp32", "sdpa")
+    model.save_head(heads / "tiny")
+    old = heads / "tiny-v1"
+    perturb_head(model, 0.1, seed=7)
+    model.save_head(old)
+    digest = stored_head_digest(old)
+    assert digest != stored_head_digest(heads / "tiny")
+    monkeypatch.setattr(lossless.paths, "HEADS_DIR", heads)
+    assert locate_head("tiny", None, digest) == old
+    assert locate_head("tiny", None, stored_head_digest(heads / "tiny")) == heads / "tiny"
+    with pytest.raises(LosslessError, match="no directory"):
+        locate_head("tiny", None, "0123456789abcdef")
+    # the digest is the stored head's, whatever dtype the model is loaded in
+    loaded = {dt: OrthrusLM(tiny_backbone("llama").to(getattr(torch, dt)), k=4) for dt in ("float32", "bfloat16")}
+    for m in loaded.values():
+        m.load_head(old)
+    assert {m.head_digest for m in loaded.values()} == {digest}
+
+
+def test_a_rank_sharded_run_under_accelerate_launch_equals_the_unsharded_run(tmp_path):
+    model_dir = save_tiny_model_dir(tmp_path / "tiny-model")
+    suite = write_suite(tmp_path / "s.jsonl")
+    args = ["audit", "--model", str(model_dir), "--head", "none", "--suite", str(suite), "--dtypes", "fp32",
+            "--max-new-tokens", "8", "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "lossless", *args, "--out", str(tmp_path / "ranks")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    writers = sorted({p.name.split(".")[0] for p in segments(tmp_path / "ranks")})
+    assert writers == ["shard-0-of-2", "shard-1-of-2"]
+    ranks, whole = load_run(tmp_path / "ranks")[0], load_run(tmp_path / "whole")[0]
+    assert len(whole) == 6
+    assert {r["key"]: r["orthrus_ids"] for r in ranks} == {r["key"]: r["orthrus_ids"] for r in whole}
+
+
 def test_a_run_directory_with_another_configuration_is_refused(tmp_path):
     suite = write_suite(tmp_path / "s.jsonl")
     out = tmp_path / "run"
     run_audit(config(suite, dtypes=["fp32"]), out, load=tiny_loader, progress=False, )
-    before = (out / "records.jsonl").read_text()
+    before = read_records(out)
     with pytest.raises(LosslessError, match="different configuration"):
         run_audit(config(suite, dtypes=["bf16"]), out, load=tiny_loader, progress=False)
-    assert (out / "records.jsonl").read_text() == before  # nothing recorded is lost
+    assert read_records(out) == before  # nothing recorded is lost
 
 
 def test_a_moved_suite_with_the_same_content_resumes(tmp_path):

@@ -144,3 +144,32 @@ def test_plots_without_divergences_are_skipped(tmp_path):
     assert "ref_margin_at_divergence.png" not in summary["plots"]
     assert "first_divergence.png" not in summary["plots"]
     assert not (d / "first_divergence.png").exists()
+
+
+def test_summary_is_rebuilt_byte_for_byte_whatever_files_hold_the_records(run_dir, tmp_path):
+    """The same records, split differently across writers and compressed segments, give the same bytes."""
+    import gzip
+    import random
+
+    records, info = load_run(run_dir)
+    first = write_report(run_dir, tmp_path / "a")
+    other = tmp_path / "other"
+    (other / "records").mkdir(parents=True)
+    shuffled = records[:]
+    random.Random(0).shuffle(shuffled)
+    half = len(shuffled) // 2
+    (other / "records" / "m1.20260101T000000.jsonl.gz").write_bytes(gzip.compress(_lines(shuffled[:half]).encode()))
+    (other / "records" / "m2.jsonl").write_text(_lines(shuffled[half:]))
+    (other / "run.json").write_text((run_dir / "run.json").read_text())
+    second = write_report(other, tmp_path / "b")
+    assert first == second
+    assert (tmp_path / "a" / "summary.json").read_bytes() == (tmp_path / "b" / "summary.json").read_bytes()
+
+
+def test_the_committed_study_summary_is_rebuilt_byte_for_byte_from_its_records(tmp_path):
+    from lossless.paths import REPO_ROOT
+
+    study = REPO_ROOT / "results" / "full-study"
+    assert (study / "records").is_dir(), "the study's records are committed under results/full-study/records"
+    write_report(study, tmp_path)
+    assert (tmp_path / "summary.json").read_bytes() == (study / "summary.json").read_bytes()

@@ -1,11 +1,21 @@
 """The trajectory audit: for every prompt and configuration (dtype, attention kernel), the AR greedy
 reference and Orthrus greedy, compared token for token.
 
-One JSON line per (prompt, configuration) pair is appended to the run directory and flushed to disk
-before the next pair starts, so a killed run loses at most the pair in flight and a rerun skips what
-is done. `--shard i/n` takes every n-th pair; each shard writes its own file and `report` merges them.
-`run.json` records the configuration, the environment and the command; a run directory holding a
-different configuration is refused.
+A run is a plan of configurations, each over all prompts of the suite or the first n per domain
+(`--configs bf16/sdpa,fp16/sdpa:20`, or the cross product of `--dtypes` and `--attn`), worked through
+configuration by configuration in the order given (cheap ones first, so a partial run is complete for
+them), prompts round-robin over domains. One JSON line per (prompt, configuration, reference) pair goes
+to the run's record store (`records.py`): flushed and fsynced per item, compressed into gzip segments
+that are committed, so a run resumes from any checkout on any machine and never repeats a pair.
+
+- `--shard i/n` takes every n-th item; under `accelerate launch` (or `torchrun`) each process takes
+  the shard of its rank. Shards write their own files; readers merge them.
+- `run.json` records the plan, the head's digest and the first writer's environment, with paths relative
+  to the checkout; a run directory holding another configuration or another head is refused. A study
+  pinned to a head that is no longer the default finds it among `heads/` by its digest.
+- Each record names its machine (CPU, ISA, torch, threads): bf16 rounding depends on it.
+- An AR reference is computed once per (prompt, dtype, kernel) and machine: exact mode's comparison
+  with stock AR reuses the stock configuration's record when one exists.
 
 This module runs decodes and records them. Statistics and the report are in `stats.py`/`report.py`.
 """
@@ -29,6 +39,7 @@ from .decoding import DecodeConfig, decode
 from .dtypes import dtype_name
 from .errors import LosslessError
 from .model import OrthrusLM
+from .records import RecordStore, read_records, writer_name
 from .stats import first_divergence, levenshtein
 from .text import encode_prompt
 
@@ -112,9 +123,35 @@ class AuditConfig:
     k: int | None = None
     limit_per_domain: int | None = None
     device: str = "cpu"
+    configs: list[str] | None = None  # the plan as "dtype/attn[:n per domain]", in order; None = dtypes x attns
+    head_digest: str = ""  # the head every record of the run was made with (set from the loaded model)
 
-    def configs(self) -> list[tuple[str, str]]:
-        return [(d, a) for d in self.dtypes for a in self.attns]
+    def plan(self) -> list[tuple[str, str, int | None]]:
+        """(dtype, attn, prompts per domain or None for all), in the order the run works through them."""
+        if self.configs:
+            return [parse_config(c) for c in self.configs]
+        return [(d, a, self.limit_per_domain) for d in self.dtypes for a in self.attns]
+
+
+def parse_config(text: str) -> tuple[str, str, int | None]:
+    """`bf16/sdpa` -> ("bf16", "sdpa", None); `fp16/exact:20` -> ("fp16", "exact", 20)."""
+    from .models import ATTN_KERNELS
+
+    spec, _, limit = text.strip().partition(":")
+    dtype, _, attn = spec.partition("/")
+    if not dtype or not attn:
+        raise LosslessError(f"config '{text}': expected dtype/attn[:prompts per domain], e.g. bf16/sdpa or fp16/sdpa:20")
+    if attn not in ATTN_KERNELS:
+        raise LosslessError(f"config '{text}': unknown attention kernel '{attn}'; choose from {', '.join(ATTN_KERNELS)}")
+    n = None
+    if limit:
+        try:
+            n = int(limit)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise LosslessError(f"config '{text}': the prompts per domain after ':' must be a positive integer")
+    return dtype_name(dtype), attn, n
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
@@ -129,60 +166,98 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     return i, n
 
 
+def launcher_state():
+    """accelerate's view of this process under `accelerate launch` / `torchrun` (None when run alone)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from accelerate import PartialState
+
+    return PartialState(cpu=True)
+
+
+def machine_id() -> str:
+    """What a record's bf16/fp16 rounding depends on: CPU model and ISA, torch build, intra-op threads."""
+    from .exact import _cpu_flags
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    isa = torch.backends.cpu.get_cpu_capability()
+    native = sorted(f for f in ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16") if f in _cpu_flags())
+    threads = torch.get_num_threads()
+    return f"{cpu} ({isa}{''.join(', ' + f for f in native)}), torch {torch.__version__}, {threads} thread" + \
+        ("s" if threads != 1 else "")
+
+
 def environment() -> dict:
     import transformers
 
     return {
         "torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version.split()[0],
         "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "machine": machine_id(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "decoding": "greedy (seeds unused)",
     }
 
 
-def records_file(run_dir: Path, shard: tuple[int, int]) -> Path:
-    i, n = shard
-    return run_dir / ("records.jsonl" if n == 1 else f"records.shard-{i}-of-{n}.jsonl")
+def portable_path(path: str | Path) -> str:
+    """A path as committed files should hold it: relative to the working directory when inside it."""
+    p = Path(path)
+    try:
+        return str(p.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def open_run(run_dir: Path, cfg: AuditConfig, planned: int, command: list[str]) -> None:
-    """Create run.json, or check that an existing one holds the same configuration."""
+    """Create run.json, or check that an existing one holds the same configuration and head."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / RUN_FILE
     mine = asdict(cfg)
     if path.exists():
         old = json.loads(path.read_text())
-        # the suite is identified by its content hash, so a moved checkout (another path) still resumes
-        diff = sorted(k for k in mine if k != "suite" and old.get("config", {}).get(k) != mine[k])
+        old_cfg = old.get("config", {})
+        if old_cfg.get("head_digest") and old_cfg["head_digest"] != cfg.head_digest:
+            raise LosslessError(
+                f"{run_dir} was run with head {old_cfg['head_digest']}, not {cfg.head_digest}: one study keeps "
+                f"one head; pass --head with that head's directory, or choose another --out")
+        # the suite and head are identified by content hashes, so a moved checkout or a versioned head
+        # directory still resumes; a run made before heads were recorded adopts this one
+        skip = {"suite", "head", "head_digest"}
+        diff = sorted(k for k in mine if k not in skip and old_cfg.get(k, _DEFAULTS.get(k)) != mine[k])
         if diff:
             raise LosslessError(
                 f"{run_dir} holds a run with a different configuration ({', '.join(diff)}); rerun its own command "
                 f"to resume (see {path}) or choose another --out"
             )
+        if not old_cfg.get("head_digest"):
+            old.setdefault("config", {})["head_digest"] = cfg.head_digest
+            path.write_text(json.dumps(old, indent=2) + "\n")
         return
+    mine["suite"] = portable_path(cfg.suite)
+    if cfg.head:
+        mine["head"] = portable_path(cfg.head)
     info = {"config": mine, "planned": planned, "environment": environment(), "command": command,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     path.write_text(json.dumps(info, indent=2) + "\n")
 
 
-def done_keys(path: Path) -> set[str]:
-    """Keys already recorded; a torn last line (killed mid-write) is cut off so appends stay valid."""
+_DEFAULTS = {"configs": None}  # fields added after the first runs: absent in old run.json means the default
+
+
+def pinned_head(run_dir: Path) -> str:
+    """The head digest a run directory is pinned to ('' for a new run)."""
+    path = run_dir / RUN_FILE
     if not path.exists():
-        return set()
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
-        with open(path, "r+b") as f:
-            f.truncate(cut)
-        data = data[:cut]
-    keys = set()
-    for line in data.decode("utf-8").splitlines():
-        try:
-            keys.add(json.loads(line)["key"])
-        except (json.JSONDecodeError, KeyError):
-            continue
-    return keys
+        return ""
+    try:
+        return json.loads(path.read_text()).get("config", {}).get("head_digest", "")
+    except json.JSONDecodeError:
+        return ""
 
 
 # ------------------------------------------------------------------------------------------------ pairs
@@ -197,10 +272,25 @@ def response_log_ppl(model: OrthrusLM, prompt_ids: list[int], response: list[int
     return float(nll)
 
 
+@dataclass
+class Reference:
+    """One AR greedy trajectory, as pair records need it (computed now, or read back from a record)."""
+    ids: list[int]
+    margins: list[float]
+    log_ppl: float | None
+    forwards: int
+    seconds: float
+    reused: bool = False
+
+    @classmethod
+    def from_record(cls, r: dict) -> "Reference":
+        return cls(r["ar_ids"], r["ar_margins"], r["ref_log_ppl"], r["ar_forwards"], r["ar_seconds"], reused=True)
+
+
 def pair_record(prompt: dict, prompt_ids: list[int], dtype: str, attn: str, reference_attn: str, k: int,
-                max_new_tokens: int, ar, orth, log_ppl: float) -> dict:
-    """The audit record of one AR reference run against one Orthrus run (both DecodeStates)."""
-    a, o = ar.generated, orth.generated
+                max_new_tokens: int, ref: Reference, orth, machine: str = "", head: str = "") -> dict:
+    """The audit record of one AR reference against one Orthrus run (a DecodeState)."""
+    a, o = ref.ids, orth.generated
     div = first_divergence(a, o)
 
     def margin(margins, i):
@@ -209,14 +299,20 @@ def pair_record(prompt: dict, prompt_ids: list[int], dtype: str, attn: str, refe
     key = f"{prompt['id']}|{dtype}|{attn}" + (f"|ref-{reference_attn}" if reference_attn != attn else "")
     return {
         "key": key, "prompt_id": prompt["id"], "domain": prompt["domain"], "dtype": dtype, "attn": attn,
-        "reference_attn": reference_attn, "k": k, "max_new_tokens": max_new_tokens, "prompt_tokens": len(prompt_ids),
+        "reference_attn": reference_attn, "cycle": "two-pass", "k": k, "max_new_tokens": max_new_tokens,
+        "prompt_tokens": len(prompt_ids),
         "ar_ids": a, "orthrus_ids": o, "exact_match": a == o, "first_divergence": div,
         "levenshtein": levenshtein(a, o),
-        "ref_margin_at_divergence": margin(ar.margins, div), "orthrus_margin_at_divergence": margin(orth.margins, div),
-        "ref_log_ppl": None if math.isnan(log_ppl) else round(log_ppl, 6), "response_length": len(a),
+        "ref_margin_at_divergence": margin(ref.margins, div), "orthrus_margin_at_divergence": margin(orth.margins, div),
+        "ref_log_ppl": ref.log_ppl, "response_length": len(a),
         "accepted": orth.stats.accepted, "tokens_per_step": round(orth.stats.tokens_per_step, 4),
-        "ar_forwards": ar.stats.forwards, "orthrus_forwards": orth.stats.forwards,
-        "ar_seconds": round(ar.stats.seconds, 4), "orthrus_seconds": round(orth.stats.seconds, 4),
+        "ar_forwards": ref.forwards, "orthrus_forwards": orth.stats.forwards,
+        "ar_seconds": round(ref.seconds, 4), "orthrus_seconds": round(orth.stats.seconds, 4),
+        "reference_reused": ref.reused,
+        # the reference's top-1 minus top-2 logit per token (4 decimals: bf16 steps are far coarser), so a
+        # later configuration can reuse this reference and still report its margin at divergence
+        "ar_margins": [round(m, 4) for m in ref.margins],
+        "machine": machine, "head": head,
     }
 
 
@@ -225,8 +321,17 @@ def reference_kernels(attn: str) -> list[str]:
     return [attn, "sdpa"] if attn == "exact" else [attn]
 
 
-def audit_prompt(models: dict, prompt: dict, dtype: str, attn: str, cfg: AuditConfig) -> list[dict]:
-    """Decode one prompt with Orthrus under `attn` and with each AR reference; one record per reference."""
+def compute_reference(model: OrthrusLM, ids: list[int], dcfg: DecodeConfig) -> Reference:
+    ar = decode(model, ids, "ar", dcfg)
+    log_ppl = response_log_ppl(model, ids, ar.generated)
+    return Reference(ar.generated, ar.margins, None if math.isnan(log_ppl) else round(log_ppl, 6),
+                     ar.stats.forwards, ar.stats.seconds)
+
+
+def audit_prompt(models: dict, prompt: dict, dtype: str, attn: str, cfg: AuditConfig,
+                 known: dict[str, dict] | None = None, machine: str = "") -> list[dict]:
+    """Decode one prompt with Orthrus under `attn` and compare with each AR reference; one record per
+    reference. `known` maps record keys to earlier records of this machine whose reference can be reused."""
     model = models[(dtype, attn)]
     ids = encode_prompt(model.tokenizer, prompt["prompt"])
     dcfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens, k=cfg.k, record_margins=True)
@@ -234,51 +339,111 @@ def audit_prompt(models: dict, prompt: dict, dtype: str, attn: str, cfg: AuditCo
     k = model.k if cfg.k is None else cfg.k
     records = []
     for ref_attn in reference_kernels(attn):
-        reference = models[(dtype, ref_attn)]
-        ar = decode(reference, ids, "ar", dcfg)
-        log_ppl = response_log_ppl(reference, ids, ar.generated)
-        records.append(pair_record(prompt, ids, dtype, attn, ref_attn, k, cfg.max_new_tokens, ar, orth, log_ppl))
+        earlier = (known or {}).get(f"{prompt['id']}|{dtype}|{ref_attn}") if ref_attn != attn else None
+        if earlier is not None:
+            ref = Reference.from_record(earlier)
+        else:
+            ref = compute_reference(models[(dtype, ref_attn)], ids, dcfg)
+        records.append(pair_record(prompt, ids, dtype, attn, ref_attn, k, cfg.max_new_tokens, ref, orth,
+                                   machine=machine, head=cfg.head_digest))
     return records
 
 
+def plan_work(cfg: AuditConfig, suite: list[dict]) -> list[tuple[dict, str, str]]:
+    """Every (prompt, dtype, attn) item of the plan, configuration by configuration."""
+    work = []
+    for dtype, attn, limit in cfg.plan():
+        work.extend((p, dtype, attn) for p in interleave_domains(limit_per_domain(suite, limit)))
+    return work
+
+
+def _reusable(records: list[dict], machine: str) -> dict[str, dict]:
+    """Records whose AR reference another configuration may reuse: own-kernel references made on this machine."""
+    return {r["key"]: r for r in records
+            if r.get("machine") == machine and r.get("reference_attn") == r.get("attn") and "ar_margins" in r}
+
+
 def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, command: list[str] | None = None,
-              progress: bool = True, load=None) -> dict:
-    """Run (or resume) an audit into `out`. `load(dtype, attn)` builds models (default: models.load_model)."""
+              progress: bool = True, load=None, roll_seconds: float = 600.0) -> dict:
+    """Run (or resume) an audit into `out`. `load(dtype, attn)` builds models (default: models.load_model).
+
+    Records are rolled into a compressed segment every `roll_seconds` and when the run stops (finished,
+    interrupted or failed)."""
     from .models import load_model
 
     cfg.dtypes = [dtype_name(d) for d in cfg.dtypes]
-    shard_t = parse_shard(shard)
+    launcher = None if shard else launcher_state()
+    shard_t = parse_shard(shard) if launcher is None else (launcher.process_index, launcher.num_processes)
     suite = load_suite(cfg.suite)
     cfg.suite_sha256 = hashlib.sha256(Path(cfg.suite).read_bytes()).hexdigest()[:16]
-    prompts = interleave_domains(limit_per_domain(suite, cfg.limit_per_domain))
-    if not prompts:
+    work = plan_work(cfg, suite)
+    if not work:
         raise LosslessError(f"suite {cfg.suite} is empty after filtering")
-    configs = cfg.configs()
-    work = [(p, d, a) for p in prompts for d, a in configs]  # interleave configs: partial runs cover all
     planned = sum(len(reference_kernels(a)) for _, _, a in work)
     run_dir = Path(out)
-    load = load or (lambda d, a: load_model(cfg.model, d, cfg.device, a, head=cfg.head))
-    open_run(run_dir, cfg, planned, command or sys.argv)
-    path = records_file(run_dir, shard_t)
-    done = done_keys(path)
+    pinned = pinned_head(run_dir)
+    head = cfg.head
+    if pinned and load is None:
+        head = locate_head(cfg.model, cfg.head, pinned)
+    load = load or (lambda d, a: load_model(cfg.model, d, cfg.device, a, head=head))
+    models: dict[tuple[str, str], OrthrusLM] = {}
+    first = work[0][1:]
+    models[first] = load(*first)
+    cfg.head_digest = getattr(models[first], "head_digest", "")
+    if launcher is None or launcher.is_main_process:
+        open_run(run_dir, cfg, planned, command or sys.argv)
+    if launcher is not None:
+        launcher.wait_for_everyone()  # run.json exists (or the mismatch was raised) before any shard works
+        open_run(run_dir, cfg, planned, command or sys.argv)
+    store = RecordStore(run_dir, writer_name(shard_t))
+    existing = read_records(run_dir)
+    done = {r["key"] for r in existing}
+    machine = machine_id()
+    known = _reusable(existing, machine)
+    del existing
     mine = [w for j, w in enumerate(work) if j % shard_t[1] == shard_t[0]]
     todo = [w for w in mine if f"{w[0]['id']}|{w[1]}|{w[2]}" not in done]  # an item's first record key
-    models: dict[tuple[str, str], OrthrusLM] = {}
-    bar = tqdm(total=len(mine), initial=len(mine) - len(todo), desc="audit pairs", unit="pair", disable=not progress)
+    bar = tqdm(total=len(mine), initial=len(mine) - len(todo), desc="audit pairs", unit="item", disable=not progress)
     n_new = 0
-    with open(path, "a", encoding="utf-8") as f:
+    last_roll = time.monotonic()
+    try:
         for prompt, dtype, attn in todo:
             for kernel in reference_kernels(attn):
                 if (dtype, kernel) not in models:
+                    if kernel != attn and f"{prompt['id']}|{dtype}|{kernel}" in known:
+                        continue  # this reference comes from an earlier record
                     models[(dtype, kernel)] = load(dtype, kernel)
-            records = audit_prompt(models, prompt, dtype, attn, cfg)
+            if (dtype, attn) not in models:
+                models[(dtype, attn)] = load(dtype, attn)
+            records = audit_prompt(models, prompt, dtype, attn, cfg, known, machine)
             # all records of an item in one write: a kill leaves the item wholly done or wholly to redo
-            f.write("".join(json.dumps(r) + "\n" for r in records))
-            f.flush()
-            os.fsync(f.fileno())
+            store.append(records)
+            known.update(_reusable(records, machine))
             n_new += len(records)
             bar.set_postfix(match=records[0]["exact_match"], tps=records[0]["tokens_per_step"])
             bar.update(1)
-    bar.close()
-    return {"run_dir": str(run_dir), "records_file": str(path), "new_records": n_new, "shard_items": len(mine),
-            "planned_records": planned}
+            if time.monotonic() - last_roll > roll_seconds:
+                store.roll()
+                last_roll = time.monotonic()
+    finally:
+        store.roll()
+        bar.close()
+    return {"run_dir": str(run_dir), "records_dir": str(store.dir), "writer": store.writer, "new_records": n_new,
+            "shard_items": len(mine), "planned_records": planned}
+
+
+def locate_head(model: str, head: str | None, digest: str) -> str | Path | None:
+    """The head a study is pinned to: `head` if it has that digest, else a directory under heads/ that does."""
+    from . import head as headfile
+    from .paths import HEADS_DIR
+
+    default = HEADS_DIR / model if head is None else Path(head)
+    candidates = [default] + sorted(p for p in HEADS_DIR.glob("*") if p.is_dir() and p != default) \
+        if HEADS_DIR.is_dir() else [default]
+    for path in candidates:
+        if (path / "head.json").exists() and headfile.stored_head_digest(path) == digest:
+            return path
+    if digest == headfile.UNTRAINED:
+        return "none"
+    raise LosslessError(f"this run is pinned to head {digest}, and no directory under {HEADS_DIR} holds it: "
+                        f"pass --head with that head's directory")

@@ -43,12 +43,17 @@ def register(sub, add_model_args) -> None:
     a.add_argument("--model", default="smollm2-135m")
     a.add_argument("--head", default=None)
     a.add_argument("--suite", default=None, help="JSONL {id, domain, prompt} or JSON {domain: [prompts]}")
-    a.add_argument("--dtypes", default="fp32,bf16")
-    a.add_argument("--attn", default="sdpa", help="comma-separated attention kernels")
+    a.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
+    a.add_argument("--attn", default="sdpa", help="comma-separated attention kernels: sdpa, eager, exact")
+    a.add_argument("--configs", default=None,
+                   help="the plan instead of --dtypes x --attn: comma-separated dtype/attn[:prompts per domain], "
+                        "run in this order, e.g. bf16/sdpa,fp32/sdpa,fp16/sdpa:20")
     a.add_argument("--max-new-tokens", type=int, default=128)
     a.add_argument("--k", type=int, default=None)
     a.add_argument("--limit-per-domain", type=int, default=None)
-    a.add_argument("--shard", default=None, help="i/n: run every n-th pair starting at i")
+    a.add_argument("--shard", default=None,
+                   help="i/n: run every n-th item starting at i (default: the process's rank under accelerate "
+                        "launch or torchrun, else everything)")
     a.add_argument("--device", default="cpu")
     a.add_argument("--out", required=True, help="run directory, e.g. runs/NAME")
     a.add_argument("--no-progress", action="store_true")
@@ -182,9 +187,19 @@ def cmd_audit(args) -> int:
             raise LosslessError(f"unknown attention kernel '{a}': choose from {', '.join(ATTN_KERNELS)}")
     if not dtypes or not attns:
         raise LosslessError("--dtypes and --attn need at least one value each")
+    configs = None
+    if args.configs is not None:
+        configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+        if not configs:
+            raise LosslessError("--configs needs at least one dtype/attn")
+        plan = [audit.parse_config(c) for c in configs]  # checks every entry before any work
+        dtypes = list(dict.fromkeys(d for d, _, _ in plan))
+        attns = list(dict.fromkeys(a for _, a, _ in plan))
+    if args.shard:
+        audit.parse_shard(args.shard)
     cfg = audit.AuditConfig(model=args.model, head=args.head, suite=str(args.suite or paths.DEFAULT_SUITE),
                             dtypes=dtypes, attns=attns, max_new_tokens=args.max_new_tokens, k=args.k,
-                            limit_per_domain=args.limit_per_domain, device=args.device)
+                            limit_per_domain=args.limit_per_domain, device=args.device, configs=configs)
     result = audit.run_audit(cfg, args.out, shard=args.shard, command=["lossless", *args.argv],
                              progress=not args.no_progress)
     print(json.dumps(result))

@@ -172,3 +172,22 @@ def load_head(path: str | Path) -> tuple[dict[str, torch.Tensor], HeadConfig]:
     except (SafetensorError, OSError, ValueError) as exc:
         raise LosslessError(f"corrupt head file {weights}: {exc}; re-train or re-download the head") from None
     return tensors, config
+
+
+UNTRAINED = "untrained"  # the digest of a head that was never loaded: copies of the AR projections
+
+
+def head_digest(tensors: dict[str, torch.Tensor], config: HeadConfig) -> str:
+    """Identity of a head as stored (dtype-independent: the file's tensors, k and the mask token), so a
+    study can pin the head its records were made with."""
+    h = hashlib.sha256(f"k={config.k};mask={config.mask_token_id};encoding={config.encoding}".encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+def stored_head_digest(path: str | Path) -> str:
+    """`head_digest` of the head directory at `path`."""
+    return head_digest(*load_head(path))

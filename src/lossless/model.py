@@ -54,6 +54,7 @@ class OrthrusLM(nn.Module):
         self.head_info = headfile.HeadConfig(k=self.k, backbone_fingerprint=self.fingerprint,
                                              backbone_signature=self.signature,
                                              mask_token_id=mask_token_id, backbone=self.name)
+        self.head_digest = headfile.UNTRAINED  # identity of the loaded head (see head.head_digest)
         self.eval()
 
     # ----------------------------------------------------------------------------------------- identity
@@ -125,6 +126,7 @@ class OrthrusLM(nn.Module):
                 f"head {source} was made for another backbone ({info.backbone or info.backbone_fingerprint}); "
                 f"train one for {self.name} or pass the matching --model"
             )
+        digest = headfile.head_digest(tensors, info)
         if info.encoding == "delta_int8":
             tensors = headfile.decode_delta_int8(tensors, diff_reference_parameters(self.backbone))
         elif info.encoding != "full":
@@ -141,7 +143,7 @@ class OrthrusLM(nn.Module):
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(tensors[name].to(p.dtype))
-        self.k, self.head_info = int(info.k), info
+        self.k, self.head_info, self.head_digest = int(info.k), info, digest
 
     # ---------------------------------------------------------------------------------------- forwards
     def new_cache(self) -> DynamicCache:

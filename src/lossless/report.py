@@ -1,6 +1,6 @@
 """The audit report: read a run directory's records, summarise them, write report.md, plots and summary.json.
 
-Owns: merging `records*.jsonl` shards (first occurrence of a key wins, torn lines skipped), grouping
+Owns: reading a run's records (through `records.py`; first occurrence of a key wins), grouping
 records by configuration (dtype, attention kernel, reference kernel) and domain, the summary schema,
 the replication's published figures it is compared against, the markdown layout and the plots.
 
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections import defaultdict
 from pathlib import Path
 
 from .errors import LosslessError
+from .records import read_records
 from .stats import logistic_regression, wilson_interval
 
 # The replication's figures (ORTHRUS.md §2). Coefficients are paired with the two models in the order
@@ -34,44 +34,16 @@ PUBLISHED = {
     "mean_ppl": {"matching": 1.11, "diverging": 1.28},
 }
 
-_SHARD = re.compile(r"records\.shard-(\d+)-of-(\d+)\.jsonl$")
-
-
 # --- loading -------------------------------------------------------------------------------------
 
-def _record_files(run_dir: Path) -> list[Path]:
-    """`records.jsonl` first, then shards by shard index (numerically), then anything else by name."""
-    def order(p: Path):
-        if p.name == "records.jsonl":
-            return (0, 0, 0, p.name)
-        m = _SHARD.match(p.name)
-        if m:
-            return (1, int(m.group(2)), int(m.group(1)), p.name)
-        return (2, 0, 0, p.name)
-    return sorted((p for p in run_dir.glob("records*.jsonl") if p.is_file()), key=order)
-
-
 def load_run(run_dir) -> tuple[list[dict], dict]:
-    """All records of a run (shards merged; the first record seen for a key wins; lines that do not
-    decode, such as a torn last line, are skipped) and the run's `run.json` ({} if absent or unreadable)."""
+    """All records of a run (every writer's segments and plain files merged; the first record seen for a
+    key wins; torn lines are skipped), sorted by key so the summary depends on the records alone, and the
+    run's `run.json` ({} if absent or unreadable)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise LosslessError(f"run directory {run_dir} does not exist: pass the --out directory of `lossless audit`")
-    records, seen = [], set()
-    for path in _record_files(run_dir):
-        with path.open(encoding="utf-8", errors="replace") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if not isinstance(rec, dict) or "key" not in rec or rec["key"] in seen:
-                    continue
-                seen.add(rec["key"])
-                records.append(rec)
+    records = sorted(read_records(run_dir), key=lambda r: str(r["key"]))
     run_info: dict = {}
     info_path = run_dir / "run.json"
     if info_path.is_file():
@@ -116,6 +88,12 @@ def _rate(recs: list[dict]) -> tuple[float | None, list[float]]:
     return (k / n if n else None), [lo, hi]
 
 
+def _pair_seconds(r: dict) -> float:
+    """Decode time a pair cost: Orthrus, plus the AR reference unless it was reused from another record."""
+    ar = 0.0 if r.get("reference_reused") else float(r.get("ar_seconds") or 0.0)
+    return ar + float(r.get("orthrus_seconds") or 0.0)
+
+
 def _diverging_first(recs: list[dict]) -> float | None:
     return _mean(r.get("first_divergence") for r in recs if not _match(r))
 
@@ -149,7 +127,10 @@ def summarize(records: list[dict], run_info: dict) -> dict:
                         "exact_match_rate": rate, "ci95": ci,
                         "mean_tokens_per_step": _mean(r.get("tokens_per_step") for r in recs),
                         "mean_first_divergence": _diverging_first(recs),
-                        "mean_levenshtein": _mean(r.get("levenshtein") for r in recs)})
+                        "mean_levenshtein": _mean(r.get("levenshtein") for r in recs),
+                        "cycle": str(recs[0].get("cycle", "two-pass")),
+                        "mean_seconds_per_pair": _mean(_pair_seconds(r) for r in recs),
+                        "compute_hours": sum(_pair_seconds(r) for r in recs) / 3600})
         by_domain: dict[str, list[dict]] = defaultdict(list)
         for r in recs:
             by_domain[str(r.get("domain", "?"))].append(r)
@@ -166,8 +147,13 @@ def summarize(records: list[dict], run_info: dict) -> dict:
         ppl[label] = {"matching_mean_ppl": _mean(matching), "diverging_mean_ppl": _mean(diverging),
                       "n_matching": len(matching), "n_diverging": len(diverging)}
     planned = run_info.get("planned")
+    machines: dict[str, int] = defaultdict(int)
+    for r in records:
+        machines[str(r.get("machine") or "not recorded")] += 1
     return _finite({"n_records": len(records), "planned": planned if isinstance(planned, int) else None,
                     "configs": configs, "domains": domains, "regression": regression, "ppl": ppl,
+                    "machines": dict(sorted(machines.items())),
+                    "heads": sorted({str(r["head"]) for r in records if r.get("head")}),
                     "replication": PUBLISHED, "plots": []})
 
 
@@ -287,10 +273,11 @@ def _markdown(summary: dict, run_dir: Path, run_info: dict, plots: list[tuple[st
           "divergence is averaged over diverging pairs only.", ""]
     L += ["## Configurations", ""]
     L += _table(["dtype", "attn", "reference attn", "n", "exact match [95% CI]", "mean tokens/step",
-                 "mean first divergence", "mean Levenshtein"],
+                 "mean first divergence", "mean Levenshtein", "s per pair"],
                 [[c["dtype"], c["attn"], c["reference_attn"], c["n"], _pct(c["exact_match_rate"], c["ci95"]),
                   _num(c["mean_tokens_per_step"]), _num(c["mean_first_divergence"], ".1f"),
-                  _num(c["mean_levenshtein"], ".1f")] for c in summary["configs"]])
+                  _num(c["mean_levenshtein"], ".1f"), _num(c.get("mean_seconds_per_pair"), ".1f")]
+                 for c in summary["configs"]])
     L += ["## Per domain", ""]
     for label, rows in summary["domains"].items():
         L += [f"### {label}", ""]
@@ -306,6 +293,16 @@ def _markdown(summary: dict, run_dir: Path, run_info: dict, plots: list[tuple[st
     L += ["## Logistic regression: P(exact match) ~ log PPL + length + domain", ""]
     for label, reg in summary["regression"].items():
         L += _regression_block(label, reg)
+    L += ["## Compute", "",
+          "Decode time per pair (Orthrus, plus the AR reference where it was computed for this pair; the "
+          "reference's perplexity pass is not counted), and the machines the records were made on: bf16 and "
+          "fp16 rounding depend on the CPU, its ISA, the torch build and the thread count.", ""]
+    L += _table(["config", "pairs", "mean s per pair", "decode hours"],
+                [[c["label"], c["n"], _num(c.get("mean_seconds_per_pair"), ".1f"), _num(c.get("compute_hours"), ".2f")]
+                 for c in summary["configs"]])
+    L += _table(["machine", "pairs"], [[m, n] for m, n in summary.get("machines", {}).items()])
+    if summary.get("heads"):
+        L += ["Head digest(s): " + ", ".join(f"`{h}`" for h in summary["heads"]), ""]
     L += ["## Comparison with the published replication", ""]
     L += _comparison(summary)
     L += ["## Plots", ""]
