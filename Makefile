@@ -43,7 +43,7 @@ study: $(STAMP)
 
 # the study's report, summary and plots, rebuilt from its committed records only
 study-report: $(STAMP)
-	$(BIN)/lossless report results/full-study
+	$(BIN)/lossless report results/full-study --at-rest
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/speed.py --model smollm2-135m --dtype bf16 --attn sdpa,exact --limit 6 --repeats 2 --max-new-tokens 128

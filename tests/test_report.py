@@ -171,5 +171,5 @@ def test_the_committed_study_summary_is_rebuilt_byte_for_byte_from_its_records(t
 
     study = REPO_ROOT / "results" / "full-study"
     assert (study / "records").is_dir(), "the study's records are committed under results/full-study/records"
-    write_report(study, tmp_path)
+    write_report(study, tmp_path, at_rest=True)
     assert (tmp_path / "summary.json").read_bytes() == (study / "summary.json").read_bytes()

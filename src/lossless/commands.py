@@ -62,6 +62,8 @@ def register(sub, add_model_args) -> None:
     r = sub.add_parser("report", help="write report.md, plots and summary.json for an audit run")
     r.add_argument("run_dir")
     r.add_argument("--out", default=None, help="where to write (default: the run directory)")
+    r.add_argument("--at-rest", action="store_true",
+                   help="only the compressed record segments (what is committed), not a running writer's plain file")
     r.set_defaults(func=cmd_report)
 
     pr = sub.add_parser("probe", help="name the first op where a block pass differs from one-token-at-a-time")
@@ -210,7 +212,7 @@ def cmd_report(args) -> int:
     from .report import write_report
 
     out = Path(args.out or args.run_dir)
-    summary = write_report(args.run_dir, out)
+    summary = write_report(args.run_dir, out, at_rest=args.at_rest)
     print(f"report: {out / 'report.md'}")
     for c in summary["configs"]:
         lo, hi = c["ci95"]

@@ -64,9 +64,10 @@ def _parse(line: str) -> dict | None:
     return rec if isinstance(rec, dict) and "key" in rec else None
 
 
-def record_files(run_dir: str | Path) -> list[Path]:
+def record_files(run_dir: str | Path, at_rest: bool = False) -> list[Path]:
     """Every file holding records of a run: legacy top-level files first (unsharded, then shards in index
-    order), then `records/` in name order (each writer's segments chronologically, its plain file last)."""
+    order), then `records/` in name order (each writer's segments chronologically, its plain file last).
+    `at_rest`: only the compressed segments, i.e. what a checkout of the committed records holds."""
     run_dir = Path(run_dir)
 
     def legacy_order(p: Path):
@@ -80,13 +81,16 @@ def record_files(run_dir: str | Path) -> list[Path]:
         if store.is_dir() else []
     # a writer's plain file (`w.jsonl`) holds its newest records: read it after its segments (`w.<time>.jsonl.gz`)
     current.sort(key=lambda p: (p.name.split(".")[0], p.name.endswith(".jsonl"), p.name))
+    if at_rest:
+        return [p for p in current if p.name.endswith(".gz")]
     return legacy + current
 
 
-def read_records(run_dir: str | Path) -> list[dict]:
-    """All records of a run, deduplicated by key (first seen wins), in file order."""
+def read_records(run_dir: str | Path, at_rest: bool = False) -> list[dict]:
+    """All records of a run, deduplicated by key (first seen wins), in file order (`at_rest`: see
+    `record_files`)."""
     out, seen = [], set()
-    for path in record_files(run_dir):
+    for path in record_files(run_dir, at_rest):
         for line in _lines(path):
             rec = _parse(line)
             if rec is not None and rec["key"] not in seen:

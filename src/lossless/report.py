@@ -36,14 +36,15 @@ PUBLISHED = {
 
 # --- loading -------------------------------------------------------------------------------------
 
-def load_run(run_dir) -> tuple[list[dict], dict]:
-    """All records of a run (every writer's segments and plain files merged; the first record seen for a
-    key wins; torn lines are skipped), sorted by key so the summary depends on the records alone, and the
-    run's `run.json` ({} if absent or unreadable)."""
+def load_run(run_dir, at_rest: bool = False) -> tuple[list[dict], dict]:
+    """All records of a run (every writer's segments and plain files merged, or with `at_rest` only the
+    compressed segments a checkout holds; the first record seen for a key wins; torn lines are skipped),
+    sorted by key so the summary depends on the records alone, and the run's `run.json` ({} if absent or
+    unreadable)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise LosslessError(f"run directory {run_dir} does not exist: pass the --out directory of `lossless audit`")
-    records = sorted(read_records(run_dir), key=lambda r: str(r["key"]))
+    records = sorted(read_records(run_dir, at_rest), key=lambda r: str(r["key"]))
     run_info: dict = {}
     info_path = run_dir / "run.json"
     if info_path.is_file():
@@ -471,9 +472,10 @@ _PLOTS = (_plot_configs, _plot_ppl_bins, _plot_margins, _plot_first_divergence, 
 
 # --- entry point ---------------------------------------------------------------------------------
 
-def write_report(run_dir, out_dir=None) -> dict:
+def write_report(run_dir, out_dir=None, at_rest: bool = False) -> dict:
     """Write report.md, the PNG plots and summary.json for the run in `run_dir` (into `out_dir`,
-    default `run_dir`) and return the summary. Works on partial runs.
+    default `run_dir`) and return the summary. Works on partial runs; `at_rest` reports only the committed
+    (compressed) records, as a checkout would.
 
     summary.json: {"n_records", "planned" (int or null), "configs": [{"label", "dtype", "attn",
     "reference_attn", "n", "exact_match_rate", "ci95", "mean_tokens_per_step", "mean_first_divergence",
@@ -483,7 +485,7 @@ def write_report(run_dir, out_dir=None) -> dict:
     "replication": PUBLISHED, "plots": [file names written]}.
     """
     run_dir = Path(run_dir)
-    records, run_info = load_run(run_dir)
+    records, run_info = load_run(run_dir, at_rest)
     if not records:
         raise LosslessError(f"no records in {run_dir}: expected records*.jsonl written by `lossless audit`")
     out = Path(out_dir) if out_dir is not None else run_dir
