@@ -19,7 +19,6 @@ from lossless.head import stored_head_digest
 from lossless.records import read_records
 from lossless.cli import main
 from lossless.errors import LosslessError
-from lossless.exact import enable_exact
 from lossless.model import OrthrusLM
 from lossless.report import load_run, write_report
 
@@ -31,7 +30,7 @@ def tiny_loader(dtype, attn):
     model = OrthrusLM(tiny_backbone("llama").to(dt), tokenizer=tiny_tokenizer(), k=4)
     perturb_head(model, 0.5)
     if attn == "exact":
-        enable_exact(model)
+        model.set_attn("exact")
     else:
         model.backbone.set_attn_implementation(attn)
     return model

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from conftest import NO_EOS, perturb_head, tiny_backbone
 from lossless.decoding import DecodeConfig, decode
 from lossless.errors import LosslessError
-from lossless.exact import MIRROR_ATTR, ExactCacheLayer, enable_exact, exact_attention, position_major_fp32
+from lossless.exact import MIRROR_ATTR, ExactCacheLayer, exact_attention, position_major_fp32
 from lossless.model import OrthrusLM
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -24,7 +24,7 @@ def exact_tiny(family: str, dtype: torch.dtype, row_group: int = 8) -> OrthrusLM
     if key not in _MODELS:
         model = OrthrusLM(tiny_backbone(family).to(dtype), k=16)
         perturb_head(model, 0.5)
-        enable_exact(model, row_group=row_group)
+        model.set_attn("exact", row_group=row_group)
         _MODELS[key] = model
     return _MODELS[key]
 
@@ -67,6 +67,59 @@ def test_block_logits_equal_one_at_a_time_on_a_grid(family, dtype, row_group):
         for k in (2, 8, 13, 16):
             block, single, _, _ = block_and_single(model, ids, prefix_len, k)
             assert torch.equal(block, single), (prefix_len, k)
+
+
+def shaped_backbone(family: str, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
+                    seed: int = 0):
+    """A 2-layer random backbone of the given widths (sharpened LM head, as in conftest)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=64, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+               num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+               max_position_embeddings=256, tie_word_embeddings=False)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)) if family == "llama" else Qwen3ForCausalLM(Qwen3Config(**cfg))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model.eval()
+
+
+def exact_shaped(family, dtype, row_group, **widths) -> OrthrusLM:
+    model = OrthrusLM(shaped_backbone(family, **widths).to(dtype), k=16)
+    perturb_head(model, 0.5)
+    model.set_attn("exact", row_group=row_group)
+    return model
+
+
+@pytest.mark.parametrize("row_group", ROW_GROUPS)
+@pytest.mark.parametrize("intermediate", [72, 88, 168, 344, 688])
+def test_block_logits_equal_one_at_a_time_for_widths_off_the_vector_width(family, intermediate, row_group):
+    # an elementwise kernel finishes a row whose width is not a multiple of its vector width in scalar
+    # code; these intermediate sizes made fp32 blocks differ from single steps on an AVX-512 CPU
+    model = exact_shaped(family, torch.float32, row_group, hidden=36, intermediate=intermediate, heads=3,
+                         kv_heads=1, head_dim=12)
+    ids = torch.randint(0, 63, (160,), generator=torch.Generator().manual_seed(0)).tolist()
+    for prefix_len in (1, 31, 64, 100, 133):
+        block, single, _, _ = block_and_single(model, ids, prefix_len, 8)
+        assert torch.equal(block, single), prefix_len
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_block_logits_equal_one_at_a_time_for_any_widths(family, dtype, data):
+    heads = data.draw(st.integers(1, 4), label="heads")
+    kv_heads = data.draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0]), label="kv_heads")
+    # Llama wants hidden divisible by heads; the widths are still rarely multiples of 8
+    widths = dict(hidden=heads * data.draw(st.integers(3, 33), label="hidden / heads"),
+                  intermediate=data.draw(st.integers(8, 400), label="intermediate"),
+                  heads=heads, kv_heads=kv_heads, head_dim=data.draw(st.sampled_from(range(2, 26, 2)), label="head_dim"))
+    model = exact_shaped(family, dtype, data.draw(st.sampled_from(ROW_GROUPS), label="row_group"), **widths)
+    prefix_len = data.draw(st.integers(1, 70), label="prefix")
+    k = data.draw(st.integers(2, 16), label="block")
+    ids = data.draw(st.lists(st.integers(0, 62), min_size=prefix_len + k, max_size=prefix_len + k), label="ids")
+    block, single, _, _ = block_and_single(model, ids, prefix_len, k)
+    assert torch.equal(block, single)
 
 
 def test_stock_kernels_are_not_batch_invariant_in_fp32():
@@ -160,11 +213,16 @@ def test_exact_attention_refuses_non_cpu_tensors():
 
 def test_exact_mode_reports_what_it_replaced():
     model = OrthrusLM(tiny_backbone("llama").to(torch.float32), k=8)
-    replaced = enable_exact(model)
-    assert replaced[0] == "attention"
+    replaced = model.set_attn("exact")
+    assert replaced[0] == "attention" and model.exact_ops == replaced and model.attn == "exact"
+    linears = [r for r in replaced if r.startswith("linear ")]
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.backbone.modules())
-    assert sum(int(r.split(" x", 1)[1].split()[0]) for r in replaced[1:]) == n_linear
-    assert all(r.endswith(("(rows in groups of 1)", "(rows in groups of 8)")) for r in replaced[1:])
+    assert sum(int(r.split(" x", 1)[1].split()[0]) for r in linears) == n_linear
+    assert all(r.endswith(("(rows in groups of 1)", "(rows in groups of 8)")) for r in linears)
+    # 2 norms per layer + the final norm, 1 activation per layer, the rotary embedding
+    assert set(replaced) - set(linears) == {"attention", "LlamaRMSNorm x5 (one call per row)",
+                                            "SiLUActivation x2 (one call per row)",
+                                            "LlamaRotaryEmbedding x1 (one call per row)"}
 
 
 def test_row_group_follows_the_cpu_and_the_environment(monkeypatch):
@@ -196,15 +254,15 @@ def test_single_row_groups_make_exact_ar_linears_the_stock_ones():
         assert torch.equal(got[:, i:i + 1], want[i])
 
 
-def test_stock_linears_bypass_row_groups_only_inside_the_block():
-    from lossless.exact import make_linears_fixed_rows, stock_linears
+def test_stock_kernels_bypass_row_groups_only_inside_the_block():
+    from lossless.exact import make_linears_fixed_rows, stock_kernels
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(48, 80)
     x = torch.randn(1, 5, 48)
     stock = torch.nn.functional.linear(x, lin.weight, lin.bias)
     make_linears_fixed_rows(lin, row_group=8)
-    with stock_linears():
+    with stock_kernels():
         assert torch.equal(lin(x), stock)
     rows = torch.cat([x[0], x.new_zeros(3, 48)])  # outside: the 8-row group, zero-padded
     assert torch.equal(lin(x)[0], torch.nn.functional.linear(rows, lin.weight, lin.bias)[:5])

@@ -16,19 +16,23 @@ CPU kernels are deterministic for identical inputs in one process, so the result
 with no assumption about how any kernel orders its reductions. (A CUDA version would need the same
 property from its kernels, e.g. a fixed split size; there the kernel raises rather than falling back.)
 
-Two kinds of call use stock SDPA, as they need no invariance and SDPA is faster: a forward with no
-cache (a prefill: as many keys as queries), which AR and Orthrus run identically, and the draft view's
-bidirectional pass (`is_causal=False`), which only proposes tokens; the verify pass decides what is
-committed, and the cache the draft reads is the one exact mode keeps bitwise equal. The draft pass
-also runs its linear layers stock (`stock_linears`).
+Passes that need no invariance run stock kernels inside `stock_kernels()`: a prefill, which AR and
+Orthrus run identically; the draft view, which only proposes tokens (the verify pass decides what is
+committed, and the cache the draft reads is the one exact mode keeps bitwise equal); teacher-forced
+scoring. Outside such a block every forward is batch-invariant, however many rows it has.
 
 Linear layers (projections, MLP, LM head) run in fixed groups of rows (`FixedRowsLinearMixin`): a
 GEMM's per-row result can depend on how many rows it multiplies (always in fp32 on the CPUs measured,
 rarely and data-dependently in bf16). The group size is 8 where the CPU multiplies the dtype natively
 in wide SIMD (8 rows then cost about what 1 does) and 1 elsewhere (each row its own matrix-vector
-product, the very call single-token decoding makes); see `default_row_group`. Norms, rotary and
-activations are row-wise and were measured by `lossless probe` to be batch-invariant already, so they
-are left alone.
+product, the very call single-token decoding makes); see `default_row_group`.
+
+Norms, MLP activations and the rotary embedding run one call per token row (`RowwiseMixin`,
+`RotaryRowsMixin`). They are row-wise in math but not in machine code: an elementwise kernel runs
+SIMD over the whole tensor and finishes the last `numel % width` elements with scalar code, whose
+exp/cos round differently. A SiLU over one row of 72 floats ends in scalar code; the same row inside a
+block of 8 does not, and fp32 logits then differ (intermediate sizes 72, 88, 168, 344, 688 on an
+AVX-512 CPU; multiples of 32 happened to be safe).
 
 This module does not know decoding; it only provides the kernels, the cache layer and the registration.
 """
@@ -45,18 +49,17 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .errors import LosslessError
+from .names import EXACT
 
-EXACT = "exact"
 MIRROR_ATTR = "_lossless_exact_fp32"  # on the key tensor an ExactCacheLayer returns: (keys, values) [cap, b, kv, d]
 
 
 def exact_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, is_causal=None, **kwargs):
     """query [b, h, q, d], key/value [b, kv_h, n, d] -> (output [b, q, h, d], None)."""
-    if query.device.type != "cpu":
-        raise LosslessError("attn=exact has only a CPU kernel so far; use --device cpu or --attn sdpa")
+    check_device(query.device)
     b, h, q, d = query.shape
     kv_heads, n = key.shape[1], key.shape[2]
-    if (n == q and is_causal is not False) or is_causal is False:
+    if (n == q and is_causal is not False) or is_causal is False or _STOCK.get():
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -192,60 +195,120 @@ def default_row_group(dtype: torch.dtype) -> int:
     return ROW_GROUP if any(f in _cpu_flags() for f in _NATIVE_FLAGS.get(dtype, ())) else 1
 
 
-_STOCK_LINEARS: ContextVar[bool] = ContextVar("lossless_stock_linears", default=False)
+_STOCK: ContextVar[bool] = ContextVar("lossless_stock_kernels", default=False)
+_FIRST_POSITION: ContextVar[int] = ContextVar("lossless_first_position", default=0)
 
 
 @contextmanager
-def stock_linears():
-    """Within this block, fixed-row linears take the stock path (for passes that need no invariance:
-    the draft view only proposes tokens, so its GEMMs may batch rows however is fastest)."""
-    token = _STOCK_LINEARS.set(True)
+def stock_kernels():
+    """Within this block exact mode's kernels take the stock path, for passes that need no invariance:
+    a prefill (AR and Orthrus run it identically), the draft view (it only proposes tokens) and
+    teacher-forced scoring. Everything outside such a block is batch-invariant."""
+    token = _STOCK.set(True)
     try:
         yield
     finally:
-        _STOCK_LINEARS.reset(token)
+        _STOCK.reset(token)
+
+
+@contextmanager
+def first_position(pos: int):
+    """Within this block a forward's first row is the token at absolute position `pos` (the model sets
+    it for every cached forward), so fixed-row linears can put each row in the same slot of its group
+    whether it comes alone or in a block."""
+    token = _FIRST_POSITION.set(int(pos))
+    try:
+        yield
+    finally:
+        _FIRST_POSITION.reset(token)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when contiguous at a 64-byte-aligned address, else a fresh contiguous copy (which the
+    allocator aligns), so a row reaches a kernel with the same layout wherever it came from."""
+    return t if t.is_contiguous() and t.data_ptr() % ALIGN == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
 class FixedRowsLinearMixin:
-    """A Linear whose row results do not depend on how many rows are multiplied together: rows are
-    processed in groups of exactly `row_group` (zero-padded), so a single decoding row and the same row
-    inside a verify block go through the same GEMM shape.
+    """A Linear whose row results do not depend on how many rows are multiplied together.
 
-    Calls with more than `max_grouped_rows` rows (prefills, which AR and Orthrus share bit for bit)
-    take the stock path; `enable_exact` sets that bound above the model's block size."""
+    Rows go through GEMMs of exactly `row_group` rows, each group a fresh zero-padded buffer, and the
+    token at absolute position p always sits in slot `p % row_group` of its group: a GEMM may compute
+    its rows by different code paths depending on the slot (on an AVX-512 CPU an 8 x 10 by 10 x 3
+    product rounds slot 1 differently from slot 0), so a single decoding row and the same row inside a
+    verify block must share the slot as well as the shape. The other slots hold zeros or other rows;
+    GEMM kernels have no data-dependent control flow, so they do not touch a row's result."""
 
-    max_grouped_rows = 32
     row_group = ROW_GROUP
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        if _STOCK_LINEARS.get():
+        if _STOCK.get():
             return F.linear(x, self.weight, self.bias)
-        if self.row_group == 1 and x.numel() == shape[-1] and x.is_contiguous() and x.data_ptr() % ALIGN == 0:
-            # a single decoding row: the very call each row of a block makes below, minus the bookkeeping
-            return F.linear(x.view(1, shape[-1]), self.weight, self.bias).view(*shape[:-1], -1)
         rows = x.reshape(-1, shape[-1])
-        n = rows.shape[0]
-        if n > self.max_grouped_rows:
-            return F.linear(x, self.weight, self.bias)
-        group = self.row_group
-        if group == 1:  # each row alone, as a [1, in] matrix at a 64-byte-aligned address, exactly as a single
-            # decoding step calls it (a row of a block is copied only when its address is not aligned)
-            outs = [F.linear(r if r.data_ptr() % ALIGN == 0 else r.clone(), self.weight, self.bias)
-                    for r in rows.split(1)]
+        n, group = rows.shape[0], self.row_group
+        if group == 1:  # each row alone, as a [1, in] matrix at an aligned address: the very call a
+            # single decoding step makes (a row of a block is copied only when its address is not aligned)
+            outs = [F.linear(_aligned(r), self.weight, self.bias) for r in rows.split(1)]
             return (outs[0] if n == 1 else torch.cat(outs)).reshape(*shape[:-1], -1)
-        pad = (-n) % group
-        if pad:
-            rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
-        out = torch.cat([F.linear(g, self.weight, self.bias) for g in rows.split(group)])
-        return out[:n].reshape(*shape[:-1], -1)
+        slot = _FIRST_POSITION.get() % group  # slot of the first row in its group
+        outs = []
+        for start in range(-slot, n, group):  # one group per window of absolute positions [8j, 8j + 8)
+            lo, hi = max(start, 0), min(start + group, n)
+            buf = rows.new_zeros(group, shape[-1])
+            buf[lo - start:hi - start] = rows[lo:hi]
+            outs.append(F.linear(buf, self.weight, self.bias)[lo - start:hi - start])
+        return (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(*shape[:-1], -1)
 
 
-_FIXED: dict[type, type] = {}
+class RowwiseMixin:
+    """A module that maps each token row on its own (a norm, an activation), called once per row.
+
+    Elementwise kernels vectorise over the whole tensor and finish the last `numel % width` elements
+    with scalar code (a different exp, cos, ...), and reductions may pick their order from the shape,
+    so a row's result can depend on how many rows share the call unless the row width is a multiple of
+    the vector width. One call per row `[b, 1, ...]` is the very call a single decoding step makes.
+    Token rows are along dim 1 (batch-first hidden states, `[b, q, d]` or `[b, q, heads, d]`)."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        parent = super().forward
+        if _STOCK.get() or x.dim() < 2:
+            return parent(x, *args, **kwargs)
+        if x.shape[1] == 1:
+            return parent(_aligned(x), *args, **kwargs)
+        return torch.cat([parent(_aligned(x[:, r:r + 1]), *args, **kwargs) for r in range(x.shape[1])], dim=1)
 
 
-def make_linears_fixed_rows(module: torch.nn.Module, max_grouped_rows: int = 32,
-                            row_group: int = ROW_GROUP) -> list[str]:
+class RotaryRowsMixin:
+    """The rotary embedding (`forward(x, position_ids) -> (cos, sin)`, each `[b, q, d]`) computed one
+    position at a time, for the same reason as `RowwiseMixin`: cos/sin are elementwise kernels."""
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+        parent = super().forward
+        if _STOCK.get() or position_ids.shape[-1] == 1:
+            return parent(x, position_ids, *args, **kwargs)
+        parts = [parent(x, position_ids[:, r:r + 1], *args, **kwargs) for r in range(position_ids.shape[-1])]
+        return tuple(torch.cat(tensors, dim=1) for tensors in zip(*parts))
+
+
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def _swap_class(module: torch.nn.Module, mixin: type) -> None:
+    base = type(module)
+    if isinstance(module, mixin):
+        return
+    if (mixin, base) not in _SUBCLASSES:
+        prefix = mixin.__name__.removesuffix("Mixin")
+        _SUBCLASSES[(mixin, base)] = type(f"{prefix}{base.__name__}", (mixin, base), {})
+    module.__class__ = _SUBCLASSES[(mixin, base)]
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("RMSNorm")
+
+
+def make_linears_fixed_rows(module: torch.nn.Module, row_group: int = ROW_GROUP) -> list[str]:
     """Swap every nn.Linear under `module` to the fixed-row-group variant. Returns descriptions like
     "linear 1536->576 x30 (rows in groups of 8)".
 
@@ -255,27 +318,41 @@ def make_linears_fixed_rows(module: torch.nn.Module, max_grouped_rows: int = 32,
     miss), so no shape can be certified batch-invariant by measurement."""
     swapped: dict[tuple[int, int], int] = {}
     for sub in module.modules():
-        if not isinstance(sub, torch.nn.Linear) or isinstance(sub, FixedRowsLinearMixin):
+        if not isinstance(sub, torch.nn.Linear):
             continue
-        base = type(sub)
-        if base not in _FIXED:
-            _FIXED[base] = type(f"FixedRows{base.__name__}", (FixedRowsLinearMixin, base), {})
-        sub.__class__ = _FIXED[base]
-        sub.max_grouped_rows = max_grouped_rows
+        _swap_class(sub, FixedRowsLinearMixin)
         sub.row_group = row_group
         shape = (sub.in_features, sub.out_features)
         swapped[shape] = swapped.get(shape, 0) + 1
     return [f"linear {i}->{o} x{n} (rows in groups of {row_group})" for (i, o), n in sorted(swapped.items())]
 
 
-def enable_exact(model, row_group: int | None = None) -> list[str]:
-    """Put an OrthrusLM into exact mode in place: the "exact" attention kernel and fixed-row-group linear
-    layers (`row_group` rows per GEMM; default: `default_row_group`). Returns what was replaced."""
-    if model.device.type != "cpu":
+def make_rowwise(backbone: torch.nn.Module) -> list[str]:
+    """Swap the backbone's norms, MLP activations and rotary embedding to one call per token row.
+    Returns descriptions like "RMSNorm x5 (one call per row)"."""
+    counts: dict[str, int] = {}
+    targets = [m for m in backbone.modules() if _is_norm(m)]
+    targets += [layer.mlp.act_fn for layer in backbone.model.layers if hasattr(getattr(layer, "mlp", None), "act_fn")]
+    for module in targets:
+        if not isinstance(module, RowwiseMixin):
+            counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+            _swap_class(module, RowwiseMixin)
+    rotary = getattr(backbone.model, "rotary_emb", None)
+    if rotary is not None:
+        counts[type(rotary).__name__] = 1
+        _swap_class(rotary, RotaryRowsMixin)
+    return [f"{name} x{n} (one call per row)" for name, n in sorted(counts.items())]
+
+
+def check_device(device) -> None:
+    """Exact mode's kernels are verified on the CPU only; refuse any other device (written once here)."""
+    if torch.device(device).type != "cpu":
         raise LosslessError("attn=exact has only a CPU kernel so far; use --device cpu or --attn sdpa")
+
+
+def make_batch_invariant(backbone: torch.nn.Module, row_group: int) -> list[str]:
+    """Install exact mode on a backbone in place: the "exact" attention kernel, fixed-row-group linear
+    layers and per-row norms, activations and rotary. Returns what was replaced."""
     register_exact()
-    model.backbone.set_attn_implementation(EXACT)
-    model.attn = EXACT
-    group = row_group or default_row_group(model.dtype)
-    model.exact_ops = ["attention", *make_linears_fixed_rows(model.backbone, max(32, model.k), group)]
-    return model.exact_ops
+    backbone.set_attn_implementation(EXACT)
+    return ["attention", *make_linears_fixed_rows(backbone, row_group), *make_rowwise(backbone)]

@@ -23,7 +23,8 @@ from . import head as headfile
 from .dtypes import dtype_name
 from .dualview import DraftSpec, backbone_parameters, diff_parameters, diff_reference_parameters, install_dual_view
 from .errors import LosslessError
-from .exact import EXACT, exact_cache, stock_linears
+from . import exact
+from .names import EXACT, check_attn
 
 
 class OrthrusLM(nn.Module):
@@ -40,8 +41,8 @@ class OrthrusLM(nn.Module):
         self.backbone = backbone
         self.tokenizer = tokenizer
         self.name = name or getattr(backbone.config, "_name_or_path", "")
-        self.attn = attn
-        self.exact_ops: list[str] = []  # what exact mode replaced (set by load_model for attn="exact")
+        self.attn = attn  # the kernel the backbone runs; change it with `set_attn`
+        self.exact_ops: list[str] = []  # what exact mode replaced, when attn is "exact"
         self.k = int(k)
         self.mask_token_id = mask_token_id
         self.fingerprint = headfile.backbone_fingerprint(backbone)
@@ -145,18 +146,37 @@ class OrthrusLM(nn.Module):
                 p.copy_(tensors[name].to(p.dtype))
         self.k, self.head_info, self.head_digest = int(info.k), info, digest
 
+    # ------------------------------------------------------------------------------------------ kernels
+    def set_attn(self, attn: str, row_group: int | None = None) -> list[str]:
+        """Choose the kernels: "sdpa" or "eager" (stock), or "exact" (batch-invariant, CPU only; `row_group`
+        rows per GEMM, default `exact.default_row_group`). Returns what exact mode replaced ([] otherwise).
+
+        Exact mode replaces module classes in place, so a model in exact mode stays there."""
+        check_attn(attn)
+        if self.attn == EXACT and attn != EXACT:
+            raise LosslessError("this model runs exact kernels; load it again for another attention kernel")
+        if attn == EXACT:
+            exact.check_device(self.device)
+            if self.attn != EXACT:
+                self.exact_ops = exact.make_batch_invariant(self.backbone, row_group or exact.default_row_group(self.dtype))
+        else:
+            self.backbone.set_attn_implementation(attn)
+        self.attn = attn
+        return self.exact_ops
+
     # ---------------------------------------------------------------------------------------- forwards
     def new_cache(self) -> DynamicCache:
         if self.attn == EXACT:  # keeps the layout the exact kernel reads up to date, position by position
-            return exact_cache(self.config)
+            return exact.exact_cache(self.config)
         return DynamicCache(config=self.config)
 
     def _lm_forward(self, ids: torch.Tensor, pos: int, cache: DynamicCache, last_only: bool = False) -> torch.Tensor:
         """AR view over `ids` [1, q] at positions pos..pos+q-1, appending to `cache`. Returns logits [q, V]
         (or [1, V] for the last position only, which spares a prefill the LM head on every row)."""
         position_ids = torch.arange(pos, pos + ids.shape[1], device=self.device).unsqueeze(0)
-        out = self.backbone(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True,
-                            logits_to_keep=1 if last_only else 0)
+        with exact.first_position(pos):
+            out = self.backbone(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True,
+                                logits_to_keep=1 if last_only else 0)
         return out.logits[0]
 
     @torch.no_grad()
@@ -164,7 +184,8 @@ class OrthrusLM(nn.Module):
         """Run the prompt through the AR view. Returns (cache holding the prompt, last-position logits [V])."""
         cache = self.new_cache()
         ids = torch.tensor([prompt_ids], device=self.device)
-        logits = self._lm_forward(ids, 0, cache, last_only=True)
+        with exact.stock_kernels():  # AR and Orthrus share the prefill bit for bit; it needs no invariance
+            logits = self._lm_forward(ids, 0, cache, last_only=True)
         return cache, logits[-1]
 
     @torch.no_grad()
@@ -196,7 +217,7 @@ class OrthrusLM(nn.Module):
                      spec: DraftSpec | None = None) -> torch.Tensor:
         """Draft view over block embeddings [1, q, d] at `position_ids` [1, q]. Returns logits [q, V].
         Drafts only propose, so they run on stock kernels even in exact mode."""
-        with stock_linears():
+        with exact.stock_kernels():
             out = self.backbone.model(inputs_embeds=embeds, position_ids=position_ids, cache=cache, use_cache=False,
                                       orthrus_draft=spec or DraftSpec())
             return self.backbone.lm_head(out.last_hidden_state)[0]

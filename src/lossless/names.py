@@ -1,0 +1,35 @@
+"""The names users pick from: decoding modes, attention kernels, compute precisions.
+
+Every command, the library and the lm-eval adapter check these names here, so a new kernel or mode is
+added in one place. This module knows names only; what a kernel does lives in `model.py`/`exact.py`,
+what a dtype maps to in `dtypes.py`.
+"""
+
+from __future__ import annotations
+
+from .errors import LosslessError
+
+MODES = ("ar", "orthrus")
+EXACT = "exact"
+ATTN_KERNELS = ("sdpa", "eager", EXACT)
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise LosslessError(f"unknown mode '{mode}': choose one of {', '.join(MODES)}")
+    return mode
+
+
+def check_attn(attn: str) -> str:
+    if attn not in ATTN_KERNELS:
+        raise LosslessError(f"unknown attention kernel '{attn}': choose one of {', '.join(ATTN_KERNELS)}")
+    return attn
+
+
+def split_list(text: str, what: str) -> list[str]:
+    """"a,b,a" -> ["a", "b"]: comma-separated values, blanks dropped, duplicates removed, order kept."""
+    items = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    if not items:
+        raise LosslessError(f"{what} needs at least one value")
+    return items
