@@ -266,3 +266,25 @@ def test_stock_kernels_bypass_row_groups_only_inside_the_block():
         assert torch.equal(lin(x), stock)
     rows = torch.cat([x[0], x.new_zeros(3, 48)])  # outside: the 8-row group, zero-padded
     assert torch.equal(lin(x)[0], torch.nn.functional.linear(rows, lin.weight, lin.bias)[:5])
+
+
+@pytest.mark.parametrize("row_group", ROW_GROUPS)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_exact_mode_covers_verify_blocks_of_a_loaded_head_with_large_k(tmp_path, monkeypatch, dtype, row_group):
+    # the head arrives after exact mode is chosen and brings k = 40: every verify block, however many
+    # rows, must still run the invariant kernels (a row bound frozen at 32 once sent these to stock GEMMs)
+    from conftest import save_tiny_model_dir, tiny_orthrus
+    from lossless.exact import ROW_GROUP_ENV
+    from lossless.models import load_model
+
+    monkeypatch.setenv(ROW_GROUP_ENV, str(row_group))
+    model_dir = save_tiny_model_dir(tmp_path / "tiny", "llama")
+    head = tiny_orthrus("llama", k=40).save_head(tmp_path / "head-k40")
+    model = load_model(str(model_dir), dtype, attn="exact", head=str(head))
+    assert model.k == 40 and model.attn == "exact"
+    ids = torch.randint(0, 63, (120,), generator=torch.Generator().manual_seed(0)).tolist()
+    for prefix_len in (5, 37):
+        block, single, _, _ = block_and_single(model, ids, prefix_len, 40)
+        assert torch.equal(block, single), prefix_len
+    cfg = DecodeConfig(max_new_tokens=60, eos_ids=NO_EOS)
+    assert decode(model, ids[:5], "orthrus", cfg).generated == decode(model, ids[:5], "ar", cfg).generated
