@@ -79,6 +79,62 @@ def test_bad_input_exits_2_with_a_one_line_message(dirs, capsys, case):
     _assert_one_line_error(rc, captured.out, captured.err, needle)
 
 
+def _gpt2_dir(root: Path) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = root / "tiny-gpt2"
+    if not path.exists():
+        GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=64, n_embd=16, n_layer=1, n_head=2)).save_pretrained(path)
+    return path
+
+
+BAD_INPUTS_BEFORE_LOADING = {
+    # name: (argv builder, substring of the message); none of these may load a model
+    "unsupported architecture": (lambda d, t: _gen("--model", str(_gpt2_dir(t)), PROMPT), "llama, qwen3"),
+    "train prompts missing": (lambda d, t: ["train", "--model", d["model"], "--out", str(t / "h"), "--prompts",
+                                            str(t / "missing.jsonl")], "missing.jsonl"),
+    "train prompts not JSONL": (lambda d, t: ["train", "--model", d["model"], "--out", str(t / "h"), "--prompts",
+                                              d["broken"] + "/config.json"], "prompt"),
+    "train data missing": (lambda d, t: ["train", "--model", d["model"], "--out", str(t / "h"), "--data",
+                                         str(t / "nothing.txt")], "--data"),
+    "probe empty text": (lambda d, t: ["probe", "--model", d["model"], " "], "empty"),
+    "probe k one": (lambda d, t: ["probe", "--model", d["model"], "--k", "1", PROMPT], "--k"),
+    "generate head missing": (lambda d, t: _gen("--model", d["model"], "--head", d["missing"], PROMPT), "no head"),
+    "generate empty prompt": (lambda d, t: _gen("--model", d["model"], " "), "prompt is empty"),
+    "generate top-p zero": (lambda d, t: _gen("--model", d["model"], "--top-p", "0", PROMPT), "--top-p"),
+    "audit suite missing": (lambda d, t: ["audit", "--model", d["model"], "--suite", str(t / "none.jsonl"),
+                                          "--out", str(t / "run")], "none.jsonl"),
+    "eval unknown kernel": (lambda d, t: ["eval", "--model", d["model"], "--attn", "flash", "--out", str(t / "e")],
+                            "attention kernel"),
+    "eval unknown task": (lambda d, t: ["eval", "--model", d["model"], "--tasks", "nope", "--out", str(t / "e")],
+                          "nope"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS_BEFORE_LOADING))
+def test_bad_input_is_refused_before_any_model_loads(dirs, tmp_path, capsys, monkeypatch, case):
+    import lossless.models
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(lossless.models, "_load_hf", no_loading)
+    monkeypatch.setattr(lossless.models, "embedded_model_dir", no_loading)
+    argv, needle = BAD_INPUTS_BEFORE_LOADING[case]
+    rc = main(argv(dirs, tmp_path))
+    captured = capsys.readouterr()
+    _assert_one_line_error(rc, captured.out, captured.err, needle)
+
+
+def test_an_unsupported_backbone_is_named_in_the_library_too(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    from lossless.model import OrthrusLM
+
+    with pytest.raises(lossless.LosslessError, match="supported families: llama, qwen3"):
+        OrthrusLM(GPT2LMHeadModel.from_pretrained(_gpt2_dir(tmp_path)))
+
+
 @pytest.mark.parametrize("device", [
     "not-a-device",
     pytest.param("cuda", marks=pytest.mark.skipif(torch.version.cuda is not None,

@@ -22,7 +22,16 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str = "fp32") -> None:
 
 def cmd_generate(args) -> int:
     from .models import load_model
+    from .sampling import SamplingConfig
 
+    # inputs first: nothing loads for a request that cannot run
+    if not args.prompt.strip():
+        raise LosslessError("the prompt is empty: give some text to continue")
+    if args.max_new_tokens < 1:
+        raise LosslessError("--max-new-tokens must be >= 1")
+    if args.k is not None and args.k < 1:
+        raise LosslessError(f"--k must be >= 1, got {args.k}")
+    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     model = load_model(args.model, args.dtype, args.device, args.attn, head=args.head)
     stream = (lambda s: (sys.stdout.write(s), sys.stdout.flush())) if not args.json else None
     out = model.generate(args.prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, k=args.k,

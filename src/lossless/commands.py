@@ -95,8 +95,8 @@ def register(sub, add_model_args) -> None:
     tk.set_defaults(func=cmd_tasks)
 
 
-def _text_records(paths: list[str], tokenizer, chunk: int = 256) -> list[dict]:
-    """Plain-text training data: files, directories of .txt, or JSONL with a 'text' field, chunked."""
+def text_files(paths: list[str]) -> list[Path]:
+    """The files behind `--data`: files as given, directories as their *.txt files (sorted)."""
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
@@ -105,8 +105,13 @@ def _text_records(paths: list[str], tokenizer, chunk: int = 256) -> list[dict]:
             files.append(p)
         else:
             raise LosslessError(f"--data {p}: no such file or directory")
+    return files
+
+
+def _text_records(paths: list[str], tokenizer, chunk: int = 256) -> list[dict]:
+    """Plain-text training data: files, directories of .txt, or JSONL with a 'text' field, chunked."""
     records = []
-    for f in files:
+    for f in text_files(paths):
         if f.suffix == ".jsonl":
             texts = []
             for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
@@ -143,13 +148,15 @@ def cmd_train(args) -> int:
     out = Path(cfg.out)
     if (out / training.CHECKPOINT).exists() and not args.resume:
         raise LosslessError(f"{out} already holds a training run: add --resume to continue it, or choose another --out")
-    accelerator = Accelerator(cpu=args.device == "cpu")
-    # the head to train starts untrained (copies of the AR weights), never from a shipped head
-    model = load_model(cfg.model, cfg.dtype, str(accelerator.device), head="none", k=cfg.k)
+    # every input is checked before the model loads
     prompts = distill.read_prompts(cfg.prompts)
     if paths.DEFAULT_SUITE.exists():
         suite = distill.read_prompts(paths.DEFAULT_SUITE)
         distill.check_disjoint([p["prompt"] for p in prompts], [p["prompt"] for p in suite])
+    text_files(cfg.data)
+    accelerator = Accelerator(cpu=args.device == "cpu")
+    # the head to train starts untrained (copies of the AR weights), never from a shipped head
+    model = load_model(cfg.model, cfg.dtype, str(accelerator.device), head="none", k=cfg.k)
     records_path = cache_dir() / "distill" / f"{Path(cfg.model).name}__{Path(cfg.prompts).stem}__{cfg.max_new_tokens}.jsonl"
     if accelerator.is_main_process:
         distill.generate_responses(model, prompts, records_path, cfg.max_new_tokens, cfg.distill_batch,
@@ -226,11 +233,13 @@ def cmd_probe(args) -> int:
     from .models import load_model
     from .probe import format_table, probe
 
+    if not args.text.strip():
+        raise LosslessError("the text is empty")
+    if args.k < 2:
+        raise LosslessError("--k must be >= 2 to compare a block with single tokens")
     model = load_model(args.model, args.dtype, args.device, args.attn, head=args.head)
     if model.tokenizer is None:
         raise LosslessError("this model has no tokenizer; the probe needs text")
-    if not args.text.strip():
-        raise LosslessError("the text is empty")
     ids = list(model.tokenizer(args.text)["input_ids"])
     result = probe(model, ids, args.k)
     print(format_table(result, only_differing=not args.all))
@@ -242,7 +251,9 @@ def cmd_probe(args) -> int:
 def cmd_eval(args) -> int:
     from .evaluation import parse_dtype_list, parse_modes, render_table, run_eval
     from .evaltasks import resolve_tasks
+    from .names import check_attn
 
+    check_attn(args.attn)
     tasks = resolve_tasks(args.tasks)
     modes = parse_modes(args.modes)
     dtypes = parse_dtype_list(args.dtypes)

@@ -27,6 +27,8 @@ def normalise(text: str) -> str:
 def read_prompts(path: str | Path) -> list[dict]:
     """Prompts from JSONL lines `{"id"?, "prompt"}`; ids default to `<file stem>-<line>`."""
     path = Path(path)
+    if not path.is_file():
+        raise LosslessError(f"prompt file {path} does not exist")
     rows = []
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):

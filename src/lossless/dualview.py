@@ -22,8 +22,20 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .errors import LosslessError
+
 DIFF_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 DIFF_NORM = ("q_norm", "k_norm")
+# `model_type`s whose decoder the dual view is built and tested on (SmolLM2 is a Llama; the Orthrus
+# authors' checkpoints are Qwen3 with draft weights)
+SUPPORTED_FAMILIES = ("llama", "qwen3")
+
+
+def check_family(model_type: str | None, where: str = "") -> None:
+    """Refuse a backbone family the dual view is not built for, naming the supported ones."""
+    if model_type not in SUPPORTED_FAMILIES:
+        raise LosslessError(f"{where + ': ' if where else ''}model type '{model_type}' is not supported; "
+                            f"supported families: {', '.join(SUPPORTED_FAMILIES)} (and Orthrus checkpoints)")
 
 
 @dataclass
@@ -113,7 +125,7 @@ def _dual_view_class(base: type) -> type:
     if base not in _SUBCLASSES:
         rotary = getattr(inspect.getmodule(base), "apply_rotary_pos_emb", None)
         if rotary is None:
-            raise TypeError(f"{base.__name__}: its module defines no apply_rotary_pos_emb; backbone unsupported")
+            raise LosslessError(f"{base.__name__}: its module defines no apply_rotary_pos_emb; backbone unsupported")
         _SUBCLASSES[base] = type(
             f"DualView{base.__name__}",
             (DualViewAttentionMixin, base),
@@ -124,7 +136,10 @@ def _dual_view_class(base: type) -> type:
 
 def attention_modules(backbone: nn.Module) -> list[nn.Module]:
     """The self-attention module of every decoder layer, in layer order."""
-    layers = backbone.model.layers
+    layers = getattr(getattr(backbone, "model", None), "layers", None)
+    if layers is None or not all(hasattr(layer, "self_attn") for layer in layers):
+        check_family(getattr(getattr(backbone, "config", None), "model_type", None), type(backbone).__name__)
+        raise LosslessError(f"{type(backbone).__name__}: no decoder layers with self_attn; backbone unsupported")
     return [layer.self_attn for layer in layers]
 
 
@@ -133,6 +148,7 @@ def install_dual_view(backbone: nn.Module) -> None:
 
     The backbone's own parameters are untouched and frozen; the diff parameters require grad.
     """
+    check_family(getattr(backbone.config, "model_type", None), type(backbone).__name__)
     for p in backbone.parameters():
         p.requires_grad_(False)
     for attn in attention_modules(backbone):

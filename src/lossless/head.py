@@ -147,8 +147,9 @@ def _invalid_field(c: HeadConfig) -> str | None:
     return None
 
 
-def load_head(path: str | Path) -> tuple[dict[str, torch.Tensor], HeadConfig]:
-    """Read a head directory (or the path of its safetensors file); raise LosslessError if unusable."""
+def read_head_config(path: str | Path) -> tuple[Path, HeadConfig]:
+    """The directory and validated config of a head (a directory or its safetensors file), without its
+    weights: cheap enough to check a `--head` before any model loads. Raises LosslessError if unusable."""
     path = Path(path)
     if path.is_file():
         path = path.parent
@@ -167,6 +168,13 @@ def load_head(path: str | Path) -> tuple[dict[str, torch.Tensor], HeadConfig]:
         raise LosslessError(
             f"head {path} has format version {config.format_version}; this lossless reads version {FORMAT_VERSION}"
         )
+    return path, config
+
+
+def load_head(path: str | Path) -> tuple[dict[str, torch.Tensor], HeadConfig]:
+    """Read a head directory (or the path of its safetensors file); raise LosslessError if unusable."""
+    path, config = read_head_config(path)
+    weights = path / HEAD_WEIGHTS
     try:
         tensors = load_file(str(weights))
     except (SafetensorError, OSError, ValueError) as exc:

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
+from . import head as headfile
 from .dtypes import check_dtype_supported, dtype_name, torch_dtype
+from .dualview import check_family
 from .errors import LosslessError
 from .exact import check_device
 from .model import OrthrusLM
@@ -158,6 +160,8 @@ def load_model(spec: str = "smollm2-135m", dtype: str = "fp32", device: str = "c
         raise LosslessError(f"device '{device}' requested but this torch has no CUDA device: use --device cpu")
     check_dtype_supported(name, dev)
     tdtype = torch_dtype(name)
+    if head is not None and not (isinstance(head, str) and head == "none"):
+        headfile.read_head_config(head)  # a missing or corrupt head is refused before the weights load
     path = Path(spec).expanduser()
     if spec in EMBEDDED:
         model_dir = embedded_model_dir(spec)
@@ -165,6 +169,8 @@ def load_model(spec: str = "smollm2-135m", dtype: str = "fp32", device: str = "c
                           name=spec, attn=attn)
     elif path.is_dir():
         raw = _read_config(path)
+        if raw.get("model_type") != "orthrus":
+            check_family(raw.get("model_type"), str(path))
         if raw.get("model_type") == "orthrus":
             model = _orthrus_checkpoint(path, raw, tdtype, attn)
         else:
@@ -172,6 +178,9 @@ def load_model(spec: str = "smollm2-135m", dtype: str = "fp32", device: str = "c
                               name=str(path), attn=attn)
     elif "/" in spec and not spec.startswith((".", "/", "~")) and not path.exists():
         try:
+            from transformers import AutoConfig
+
+            check_family(AutoConfig.from_pretrained(spec).model_type, spec)
             backbone = _load_hf(spec, tdtype, attn)
         except OSError as exc:
             raise LosslessError(
