@@ -150,9 +150,10 @@ def cmd_train(args) -> int:
         raise LosslessError(f"{out} already holds a training run: add --resume to continue it, or choose another --out")
     # every input is checked before the model loads
     prompts = distill.read_prompts(cfg.prompts)
-    if paths.DEFAULT_SUITE.exists():
-        suite = distill.read_prompts(paths.DEFAULT_SUITE)
-        distill.check_disjoint([p["prompt"] for p in prompts], [p["prompt"] for p in suite])
+    suite = distill.read_prompts(paths.require(paths.DEFAULT_SUITE, "the default audit suite"))
+    distill.check_disjoint([p["prompt"] for p in prompts], [p["prompt"] for p in suite])
+    if cfg.eval_prompts:
+        paths.require(paths.HELDOUT_PROMPTS, "the held-out prompts")
     text_files(cfg.data)
     accelerator = Accelerator(cpu=args.device == "cpu")
     # the head to train starts untrained (copies of the AR weights), never from a shipped head
@@ -167,7 +168,7 @@ def cmd_train(args) -> int:
     if cfg.data:
         records += _text_records(cfg.data, model.tokenizer)
     heldout = []
-    if paths.HELDOUT_PROMPTS.exists() and cfg.eval_prompts:
+    if cfg.eval_prompts:
         from .text import encode_prompt
 
         heldout = [encode_prompt(model.tokenizer, p["prompt"]) for p in distill.read_prompts(paths.HELDOUT_PROMPTS)[: cfg.eval_prompts]]
