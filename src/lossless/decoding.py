@@ -2,10 +2,12 @@
 
 Both loops share prefill, stopping and commit, so they differ only in how a cycle proposes tokens.
 State travels in `DecodeState`; `commit` is the one place that appends tokens, applies EOS and
-max_new_tokens, and crops the cache (through `model.commit_cache`, which checks the invariant
-"cache holds every committed token but the last").
+max_new_tokens, and crops the cache (through `commit_cache`, which checks the invariant "cache holds
+every committed token but the last"): decoding owns the cache length.
 
-This module does not know about tokenizers, chat templates or files.
+The model is seen only through `DecodingModel` (prefill, verify, step, draft, k, ...), which
+`model.DecodingModel` satisfies; this module imports no model. It does not know about tokenizers, chat
+templates or files.
 """
 
 from __future__ import annotations
@@ -18,10 +20,41 @@ from typing import Callable, Protocol
 import torch
 
 from .errors import LosslessError
-from .model import OrthrusLM, commit_cache
+from .names import check_mode
 from .sampling import SamplingConfig, argmax, sample
 
-MODES = ("ar", "orthrus")
+
+class DecodingModel(Protocol):
+    """What the decode loops need of a model (`DecodingModel` is one)."""
+
+    k: int  # the head's block size
+    device: torch.device
+    max_positions: int
+
+    def eos_token_ids(self) -> list[int]: ...
+
+    def prefill(self, prompt_ids: list[int]) -> tuple[object, torch.Tensor]:
+        """(a cache holding the prompt, last-position logits [V])."""
+
+    def verify(self, cache, block_ids: list[int]) -> torch.Tensor:
+        """AR logits [len(block), V]; appends the block to the cache."""
+
+    def step(self, cache, token: int) -> torch.Tensor:
+        """AR next-token logits [V]; appends the token to the cache."""
+
+    def draft(self, cache, last_token: int, k: int) -> torch.Tensor:
+        """Draft logits [k-1, V]; reads the cache, never writes it."""
+
+
+def commit_cache(cache, n_committed: int) -> None:
+    """Crop the cache so it holds positions 0..n_committed-2 (the last committed token is not yet fed)."""
+    target = n_committed - 1
+    extra = cache.get_seq_length() - target
+    if extra < 0:
+        raise AssertionError(f"cache holds {cache.get_seq_length()} positions, fewer than {target}")
+    if extra:
+        cache.crop(-extra)
+    assert cache.get_seq_length() == target, "cache length invariant broken"
 
 
 @dataclass
@@ -95,7 +128,7 @@ class GenerationOutput:
 
 
 class Drafter(Protocol):
-    def __call__(self, model: OrthrusLM, state: DecodeState, k: int, sampling: SamplingConfig,
+    def __call__(self, model: DecodingModel, state: DecodeState, k: int, sampling: SamplingConfig,
                  generator: torch.Generator) -> tuple[list[int], torch.Tensor | None]:
         """Propose k-1 draft ids (and their sampling distributions q [k-1, V] when sampling)."""
 
@@ -117,10 +150,9 @@ def model_drafter(model, state, k, sampling, generator):
 
 
 # ------------------------------------------------------------------------------------------ shared phases
-def validate(model: OrthrusLM, prompt_ids: list[int], cfg: DecodeConfig, mode: str) -> int:
+def validate(model: DecodingModel, prompt_ids: list[int], cfg: DecodeConfig, mode: str) -> int:
     """Check the request; return the block size k to use."""
-    if mode not in MODES:
-        raise LosslessError(f"unknown mode '{mode}': choose one of {', '.join(MODES)}")
+    check_mode(mode)
     if not prompt_ids:
         raise LosslessError("the prompt is empty: give some text to continue")
     if cfg.max_new_tokens < 1:
@@ -136,7 +168,7 @@ def validate(model: OrthrusLM, prompt_ids: list[int], cfg: DecodeConfig, mode: s
     return k
 
 
-def prefill(model: OrthrusLM, prompt_ids: list[int], cfg: DecodeConfig, generator) -> DecodeState:
+def prefill(model: DecodingModel, prompt_ids: list[int], cfg: DecodeConfig, generator) -> DecodeState:
     """Phase 0: run the prompt, commit the first token from its last logits."""
     state = DecodeState(tokens=list(prompt_ids), n_prompt=len(prompt_ids))
     state.cache, logits = model.prefill(prompt_ids)
@@ -168,7 +200,7 @@ def commit(state: DecodeState, new_tokens: list[int], cfg: DecodeConfig, logits:
 
 
 # ----------------------------------------------------------------------------------------------- cycles
-def ar_cycle(model: OrthrusLM, state: DecodeState, cfg: DecodeConfig, generator) -> list[int]:
+def ar_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, generator) -> list[int]:
     """One AR step: feed the last token, choose the next."""
     logits = model.step(state.cache, state.tokens[-1])
     state.stats.forwards += 1
@@ -205,7 +237,7 @@ def accept_sampling(drafts: list[int], q: torch.Tensor, p: torch.Tensor, generat
     return len(drafts), sample(p[len(drafts)], generator)
 
 
-def orthrus_cycle(model: OrthrusLM, state: DecodeState, cfg: DecodeConfig, k: int, generator,
+def orthrus_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, generator,
                   drafter: Drafter = model_drafter) -> list[int]:
     """One Orthrus cycle: draft -> verify -> accept -> commit."""
     k = min(k, cfg.max_new_tokens - len(state.generated))  # never draft past max_new_tokens
@@ -225,7 +257,7 @@ def orthrus_cycle(model: OrthrusLM, state: DecodeState, cfg: DecodeConfig, k: in
 
 
 # --------------------------------------------------------------------------------------------- the loop
-def decode(model: OrthrusLM, prompt_ids: list[int], mode: str = "orthrus", cfg: DecodeConfig | None = None,
+def decode(model: DecodingModel, prompt_ids: list[int], mode: str = "orthrus", cfg: DecodeConfig | None = None,
            on_tokens: Callable[[list[int]], None] | None = None, drafter: Drafter = model_drafter,
            stop: Callable[[DecodeState], bool] | None = None) -> DecodeState:
     """Generate from `prompt_ids` with `mode` ("ar" or "orthrus"). `on_tokens` gets each committed chunk.

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from .dtypes import dtype_name
 from .errors import LosslessError
+from .names import MODES
 from .stats import paired_bootstrap, wilson_interval
 
-MODES = ("ar", "orthrus")
 CHAT_TASKS = {"lossless_humaneval"}  # asked in the instruct model's chat template; the rest are few-shot text
 
 

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from .decoding import DecodeConfig, decode
 from .errors import LosslessError
+from .names import check_mode
 from .sampling import SamplingConfig
 from .text import StreamDecoder
 
@@ -29,8 +30,6 @@ except ImportError as exc:  # pragma: no cover - exercised by the CLI's error pa
     raise LosslessError("lm-evaluation-harness is not installed: pip install 'lossless[eval]'") from exc
 
 log = logging.getLogger(__name__)
-
-MODES = ("ar", "orthrus")
 
 
 def _as_bool(value) -> bool:
@@ -62,8 +61,7 @@ class LosslessLM(TemplateLM):
         super().__init__()
         from .models import load_model
 
-        if mode not in MODES:
-            raise LosslessError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+        check_mode(mode)
         try:
             bs = int(str(batch_size).split(":")[0]) if str(batch_size) != "auto" else 1
         except ValueError:

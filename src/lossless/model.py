@@ -6,9 +6,11 @@
   never writes it, and returns the k-1 draft logits.
 
 Positions are always passed explicitly (`pos` = absolute position of a block's first token) so the
-cache length is the only state, and `commit_cache` is the one function that shortens it.
+cache length is the only state; `decoding.commit_cache` is the one function that shortens it.
 
-This module does not know decoding policy (acceptance, sampling, stopping); see `decoding.py`.
+This module owns the model's passes and its kernel choice (`set_attn`). It does not know decoding
+policy (acceptance, sampling, stopping): `generate` hands the loop to `decoding.py`, which sees the
+model only through its `DecodingModel` protocol, so imports go one way (model -> decoding).
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from . import exact
 from . import head as headfile
+from .decoding import DecodeConfig, GenerationOutput, decode
 from .dtypes import dtype_name
 from .dualview import DraftSpec, backbone_parameters, diff_parameters, diff_reference_parameters, install_dual_view
 from .errors import LosslessError
-from . import exact
 from .names import EXACT, check_attn
 
 
@@ -233,47 +236,38 @@ class OrthrusLM(nn.Module):
         assert cache.get_seq_length() == length_before, "the draft pass must not write the cache"
         return logits[: k - 1]
 
+    # ------------------------------------------------------------------------------------------ generate
+    def generate(self, prompt: str | list[int], mode: str = "orthrus", *, max_new_tokens: int = 128,
+                 k: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 chat_template: bool = True, on_text=None, on_tokens=None) -> GenerationOutput:
+        """Decode `prompt` (text, or token ids used as-is) with `mode` ("ar" | "orthrus").
 
-def commit_cache(cache: DynamicCache, n_committed: int) -> None:
-    """Crop the cache so it holds positions 0..n_committed-2 (the last committed token is not yet fed)."""
-    target = n_committed - 1
-    extra = cache.get_seq_length() - target
-    if extra < 0:
-        raise AssertionError(f"cache holds {cache.get_seq_length()} positions, fewer than {target}")
-    if extra:
-        cache.crop(-extra)
-    assert cache.get_seq_length() == target, "cache length invariant broken"
+        on_text(str) receives text as tokens are committed; on_tokens(list[int]) the committed ids.
+        Returns a GenerationOutput(text, token_ids, stats, prompt_ids, finish_reason).
+        """
+        from .sampling import SamplingConfig
+        from .text import StreamDecoder, encode_prompt
 
+        prompt_ids = list(prompt) if isinstance(prompt, (list, tuple)) else encode_prompt(self.tokenizer, prompt,
+                                                                                          chat_template)
+        cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=k,
+                           sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+        stream = StreamDecoder(self.tokenizer) if (on_text and self.tokenizer is not None) else None
 
-def generate(model: OrthrusLM, prompt: str | list[int], mode: str = "orthrus", *, max_new_tokens: int = 128,
-             k: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             chat_template: bool = True, on_text=None, on_tokens=None):
-    """Decode `prompt` (text, or token ids used as-is) with `mode` ("ar" | "orthrus").
+        def _on_tokens(ids):
+            if on_tokens:
+                on_tokens(ids)
+            if stream is not None:
+                delta = stream.push(ids)
+                if delta:
+                    on_text(delta)
 
-    on_text(str) receives text as tokens are committed; on_tokens(list[int]) the committed ids.
-    Returns a GenerationOutput(text, token_ids, stats, prompt_ids, finish_reason).
-    """
-    from .decoding import DecodeConfig, GenerationOutput, decode
-    from .sampling import SamplingConfig
-    from .text import StreamDecoder, encode_prompt
-
-    prompt_ids = list(prompt) if isinstance(prompt, (list, tuple)) else encode_prompt(model.tokenizer, prompt, chat_template)
-    cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=k,
-                       sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
-    stream = StreamDecoder(model.tokenizer) if (on_text and model.tokenizer is not None) else None
-
-    def _on_tokens(ids):
-        if on_tokens:
-            on_tokens(ids)
-        if stream is not None:
-            delta = stream.push(ids)
-            if delta:
-                on_text(delta)
-
-    state = decode(model, prompt_ids, mode, cfg, on_tokens=_on_tokens)
-    text = model.tokenizer.decode(state.generated, skip_special_tokens=True) if model.tokenizer is not None else ""
-    return GenerationOutput(text=text, token_ids=state.generated, stats=state.stats.to_dict(),
-                            prompt_ids=prompt_ids, finish_reason=state.finished)
+        state = decode(self, prompt_ids, mode, cfg, on_tokens=_on_tokens)
+        text = self.tokenizer.decode(state.generated, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return GenerationOutput(text=text, token_ids=state.generated, stats=state.stats.to_dict(),
+                                prompt_ids=prompt_ids, finish_reason=state.finished)
 
 
-OrthrusLM.generate = generate
+def generate(model: OrthrusLM, prompt: str | list[int], mode: str = "orthrus", **kwargs) -> GenerationOutput:
+    """`model.generate(prompt, mode, ...)` as a function."""
+    return model.generate(prompt, mode, **kwargs)
