@@ -264,12 +264,7 @@ def pinned_head(run_dir: Path) -> str:
 @torch.no_grad()
 def response_log_ppl(model: OrthrusLM, prompt_ids: list[int], response: list[int]) -> float:
     """log PPL(response | prompt): mean negative log-likelihood per response token, one teacher-forced pass."""
-    if not response:
-        return float("nan")
-    ids = torch.tensor([prompt_ids + response], device=model.device)
-    logits = model.backbone(input_ids=ids).logits[0, len(prompt_ids) - 1: -1].float()
-    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(response, device=model.device))
-    return float(nll)
+    return -float(model.score(prompt_ids, response)[0].mean()) if response else float("nan")
 
 
 @dataclass

@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .errors import LosslessError
+from .jsonio import read_jsonl
 
 
 def register(sub, add_model_args) -> None:
@@ -114,12 +115,10 @@ def _text_records(paths: list[str], tokenizer, chunk: int = 256) -> list[dict]:
     for f in text_files(paths):
         if f.suffix == ".jsonl":
             texts = []
-            for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
-                if line.strip():
-                    try:
-                        texts.append(json.loads(line)["text"])
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise LosslessError(f"{f}:{i}: expected a JSON object with a \"text\" field") from None
+            for i, obj in enumerate(read_jsonl(f, what="--data file"), 1):
+                if not isinstance(obj.get("text"), str):
+                    raise LosslessError(f"{f}: record {i}: expected a JSON object with a \"text\" field")
+                texts.append(obj["text"])
         else:
             texts = [f.read_text(encoding="utf-8")]
         for text in texts:

@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from .errors import LosslessError
+from .jsonio import read_jsonl
 from .model import OrthrusLM
 from .text import encode_prompt
 
@@ -27,19 +28,11 @@ def normalise(text: str) -> str:
 def read_prompts(path: str | Path) -> list[dict]:
     """Prompts from JSONL lines `{"id"?, "prompt"}`; ids default to `<file stem>-<line>`."""
     path = Path(path)
-    if not path.is_file():
-        raise LosslessError(f"prompt file {path} does not exist")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                prompt = obj["prompt"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise LosslessError(f"{path}:{i}: expected a JSON object with a \"prompt\" field") from None
-            rows.append({"id": str(obj.get("id", f"{path.stem}-{i}")), "prompt": prompt})
+    for i, obj in enumerate(read_jsonl(path, what="prompt file"), 1):
+        if not isinstance(obj.get("prompt"), str):
+            raise LosslessError(f"{path}: record {i}: expected a JSON object with a \"prompt\" field")
+        rows.append({"id": str(obj.get("id", f"{path.stem}-{i}")), "prompt": obj["prompt"]})
     return rows
 
 
@@ -56,15 +49,7 @@ def check_disjoint(train_prompts: list[str], suite_prompts: list[str], what: str
 def load_records(path: str | Path) -> list[dict]:
     """Completed records of a distillation file; a torn last line (killed run) is ignored."""
     path = Path(path)
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    return read_jsonl(path, skip_bad_lines=True) if path.exists() else []
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ import string
 from pathlib import Path
 
 from .errors import LosslessError
+from .jsonio import atomic_write, jsonl_text
 
 TASKS = {"humaneval": "lossless_humaneval", "arith": "lossless_arith", "capitals": "lossless_capitals"}
 UNSAFE = {"humaneval"}
@@ -232,9 +233,7 @@ from lossless.evaltasks import arith_results, capitals_results, humaneval_result
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    with path.open("w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    atomic_write(path, jsonl_text(rows, ensure_ascii=False))
 
 
 def _yaml(task: str, files: dict[str, Path], body: str) -> str:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 import sys
 from pathlib import Path
 
 from .dtypes import dtype_name
 from .errors import LosslessError
+from .jsonio import atomic_write, jsonl_text, read_jsonl
 from .names import MODES
 from .stats import paired_bootstrap, wilson_interval
 
@@ -47,12 +47,6 @@ def _metric(result: dict) -> tuple[str, float, float | None]:
             stderr = result.get(f"{name}_stderr,{filt}")
             return name, float(value), float(stderr) if isinstance(stderr, (int, float)) else None
     raise LosslessError(f"no metric in harness results: {sorted(result)}")
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def run_dir_name(mode: str, dtype: str) -> str:
@@ -104,11 +98,11 @@ def run_eval(model: str, tasks: list[str], modes: list[str], dtypes: list[str], 
                     use_cache=str(out / "cache" / f"{short_name(task)}_{mode}_{dtype}"),
                     bootstrap_iters=1000, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
                 samples = res.pop("samples", {}).get(task, [])
-                _atomic_write(run / f"samples_{short_name(task)}.jsonl", "".join(
-                    json.dumps(s, default=handle_non_serializable, ensure_ascii=False) + "\n" for s in samples))
+                atomic_write(run / f"samples_{short_name(task)}.jsonl",
+                             jsonl_text(samples, default=handle_non_serializable, ensure_ascii=False))
                 res["lossless"] = {"model": model, "mode": mode, "dtype": dtype, "attn": attn, "limit": limit,
                                    "k": k or lm.lm.k, "chat_template": task in CHAT_TASKS, "command": cmd}
-                _atomic_write(run / f"results_{short_name(task)}.json",
+                atomic_write(run / f"results_{short_name(task)}.json",
                               json.dumps(res, default=handle_non_serializable, indent=1))
                 summarise(out)
     return summarise(out)
@@ -120,10 +114,7 @@ def _load_run(path: Path) -> tuple[dict, dict[int, dict]]:
     samples = {}
     sp = path.with_name(path.name.replace("results_", "samples_").replace(".json", ".jsonl"))
     if sp.exists():
-        for line in sp.read_text().splitlines():
-            if line.strip():
-                s = json.loads(line)
-                samples[int(s["doc_id"])] = s
+        samples = {int(s["doc_id"]): s for s in read_jsonl(sp)}
     return res, samples
 
 
@@ -176,9 +167,9 @@ def summarise(out: str | Path) -> dict:
                "environment": {"python": platform.python_version(), "machine": platform.machine(),
                                "processor": platform.processor() or platform.machine()}}
     summary["commands"] = commands  # the commands that wrote the results summarised (all runs: command.txt)
-    _atomic_write(out / "summary.json", json.dumps(summary, indent=1))
+    atomic_write(out / "summary.json", json.dumps(summary, indent=1))
     plot = plot_paired(summary, out / "scores.png")
-    _atomic_write(out / "report.md", render_table(summary) + (f"\n![AR vs Orthrus]({plot.name})\n" if plot else ""))
+    atomic_write(out / "report.md", render_table(summary) + (f"\n![AR vs Orthrus]({plot.name})\n" if plot else ""))
     return summary
 
 

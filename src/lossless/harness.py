@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .decoding import DecodeConfig, decode
@@ -127,17 +126,12 @@ class LosslessLM(TemplateLM):
     @torch.no_grad()
     def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
         """Sum of log p(continuation | context) under the AR view, and whether it is the greedy path."""
-        ids = (context + continuation)[-(self.max_length + 1):][:-1]
         n = len(continuation)
         if n == 0:
             return 0.0, True
-        x = torch.tensor([ids], device=self.lm.device)
-        logits = self.lm.backbone(input_ids=x, use_cache=False, logits_to_keep=n).logits[0, -n:]
-        logp = F.log_softmax(logits.float(), dim=-1)
-        target = torch.tensor(continuation, device=logp.device)
-        total = float(logp.gather(1, target[:, None]).sum())
-        greedy = bool((logp.argmax(-1) == target).all())
-        return total, greedy
+        ids = (context + continuation)[-(self.max_length + 1):]  # the window the model can see
+        logprobs, is_argmax = self.lm.score(ids[:-n], continuation)
+        return float(logprobs.sum()), bool(is_argmax.all())
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         out = []

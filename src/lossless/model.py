@@ -192,6 +192,24 @@ class OrthrusLM(nn.Module):
         return cache, logits[-1]
 
     @torch.no_grad()
+    def score(self, context: list[int], response: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced AR scoring of `response` after `context` (non-empty), in one stock-kernel pass.
+        Returns (log p of each response token [n] in fp32, whether each was the argmax [n] bool).
+
+        The one AR scoring path: the audit's response perplexity and the lm-eval log-likelihoods."""
+        n = len(response)
+        if not context:
+            raise LosslessError("scoring needs at least one context token")
+        if n == 0:
+            return torch.empty(0, device=self.device), torch.empty(0, dtype=torch.bool, device=self.device)
+        ids = torch.tensor([context + response[:-1]], device=self.device)
+        with exact.stock_kernels():  # scoring needs no batch invariance
+            logits = self.backbone(input_ids=ids, use_cache=False, logits_to_keep=n).logits[0, -n:]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        target = torch.tensor(response, device=self.device)
+        return logp.gather(1, target[:, None])[:, 0], logp.argmax(-1) == target
+
+    @torch.no_grad()
     def verify(self, cache: DynamicCache, block_ids: list[int]) -> torch.Tensor:
         """AR view over `block_ids`, which start at position cache length. Returns logits [len(block), V]."""
         pos = cache.get_seq_length()

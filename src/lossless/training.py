@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from .dualview import DraftSpec
 from .errors import LosslessError
+from .jsonio import atomic_write
 from .model import OrthrusLM
 
 CHECKPOINT = "checkpoint.pt"
@@ -254,4 +255,4 @@ def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list
 
 
 def write_summary(out: str | Path, summary: dict) -> None:
-    Path(out, "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    atomic_write(Path(out, "train_summary.json"), json.dumps(summary, indent=2) + "\n")
