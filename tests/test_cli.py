@@ -202,3 +202,15 @@ def test_generate_streams_the_same_text_without_json(dirs, capsys):
 def test_generate_json_with_sampling_is_reproducible(dirs, capsys):
     args = ("--model", dirs["model"], "--temperature", "1.0", "--seed", "7", "--max-new-tokens", "10", PROMPT)
     assert _generate_json(capsys, *args)["token_ids"] == _generate_json(capsys, *args)["token_ids"]
+
+
+def test_every_option_of_every_command_is_explained():
+    import argparse
+
+    from lossless.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [f"{name} {action.dest}" for name, p in sub.choices.items() for action in p._actions
+               if not isinstance(action, argparse._HelpAction) and not action.help]
+    assert not missing
+    assert "exact" in sub.choices["generate"].format_help()

@@ -1,6 +1,8 @@
 """Command line: `lossless <command> ...`. Every command is a thin call into the library.
 
-User errors (`LosslessError`) print one line to stderr and exit with code 2, without a traceback.
+Owns argument parsing and what each command prints. User errors (`LosslessError`) print one line to
+stderr and exit with code 2, without a traceback; inputs are checked before any model loads. It does
+not know how decoding, training, the audit or the evaluation work: each `cmd_*` calls the library.
 """
 
 from __future__ import annotations
@@ -8,16 +10,32 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
+from pathlib import Path
 
 from .errors import LosslessError
+from .names import ATTN_KERNELS, DTYPE_NAMES, MODES
 
 
-def _add_model_args(p: argparse.ArgumentParser, dtype: str = "fp32") -> None:
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a local HF model directory, or a hub id")
-    p.add_argument("--head", default=None, help="draft-head directory (default: the shipped head, if any)")
-    p.add_argument("--dtype", default=dtype, help="fp32 | bf16 | fp16")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--attn", default="sdpa", help="attention kernel: sdpa | eager")
+def _add_model_args(p: argparse.ArgumentParser, dtype: str = "fp32", *, head: bool = True, attn: bool = True,
+                    dtype_list: bool = False, attn_list: bool = False) -> None:
+    """--model, --head, --dtype (or --dtypes), --device, --attn: the options every model-loading command
+    shares. `dtype_list`/`attn_list`: comma-separated lists (commands that run several configurations)."""
+    p.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m (embedded), a local Hugging Face model directory, or a hub id")
+    if head:
+        p.add_argument("--head", default=None,
+                       help="draft-head directory; 'none' for an untrained head (default: the shipped head, if any)")
+    if dtype_list:
+        p.add_argument("--dtypes", default=dtype, help=f"comma-separated compute precisions: {', '.join(DTYPE_NAMES)}")
+    else:
+        p.add_argument("--dtype", default=dtype, help=f"compute precision: {' | '.join(DTYPE_NAMES)}")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (exact mode runs on the CPU only)")
+    if attn:
+        kinds = " | ".join(ATTN_KERNELS)
+        p.add_argument("--attn", default="sdpa",
+                       help=(f"comma-separated attention kernels: {kinds}" if attn_list else f"attention kernel: {kinds}")
+                       + " (exact: batch-invariant kernels, Orthrus equals AR bit for bit)")
 
 
 def cmd_generate(args) -> int:
@@ -47,27 +65,236 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from accelerate import Accelerator
+
+    from . import distill, paths, training
+    from .models import load_model
+
+    cfg = training.TrainConfig(
+        model=args.model, out=args.out, k=args.k, steps=args.steps, lr=args.lr, warmup=args.warmup, loss=args.loss,
+        seed=args.seed, seqs_per_step=args.seqs_per_step, anchors=args.anchors, save_every=args.save_every,
+        eval_every=args.eval_every, eval_prompts=args.eval_prompts, dtype=args.dtype, encoding=args.encoding,
+        data=list(args.data), prompts=str(args.prompts or paths.TRAIN_PROMPTS), max_new_tokens=args.max_new_tokens,
+        distill_batch=args.distill_batch)
+    if cfg.k < 2:
+        raise LosslessError("--k must be >= 2 to train a drafter")
+    out = Path(cfg.out)
+    if (out / training.CHECKPOINT).exists() and not args.resume:
+        raise LosslessError(f"{out} already holds a training run: add --resume to continue it, or choose another --out")
+    # every input is checked before the model loads
+    prompts = distill.read_prompts(cfg.prompts)
+    suite = distill.read_prompts(paths.require(paths.DEFAULT_SUITE, "the default audit suite"))
+    distill.check_disjoint([p["prompt"] for p in prompts], [p["prompt"] for p in suite])
+    if cfg.eval_prompts:
+        paths.require(paths.HELDOUT_PROMPTS, "the held-out prompts")
+    distill.text_files(cfg.data)
+    accelerator = Accelerator(cpu=args.device == "cpu")
+    # the head to train starts untrained (copies of the AR weights), never from a shipped head
+    model = load_model(cfg.model, cfg.dtype, str(accelerator.device), head="none", k=cfg.k)
+    records_path = distill.records_path(cfg.model, cfg.prompts, cfg.max_new_tokens)
+    if accelerator.is_main_process:
+        distill.generate_responses(model, prompts, records_path, cfg.max_new_tokens, cfg.distill_batch,
+                                   progress=not args.no_progress)
+    accelerator.wait_for_everyone()
+    done = {r["id"]: r for r in distill.load_records(records_path)}
+    records = [done[p["id"]] for p in prompts if p["id"] in done]
+    if cfg.data:
+        records += distill.text_records(cfg.data, model.tokenizer)
+    heldout = []
+    if cfg.eval_prompts:
+        from .text import encode_prompt
+
+        heldout = [encode_prompt(model.tokenizer, p["prompt"]) for p in distill.read_prompts(paths.HELDOUT_PROMPTS)[: cfg.eval_prompts]]
+    model.train(False)
+    summary = training.train(model, records, cfg, heldout=heldout, resume=args.resume, accelerator=accelerator,
+                             progress=not args.no_progress, stop_at=args.stop_at)
+    if accelerator.is_main_process:
+        summary["records"] = len(records)
+        summary["config"] = asdict(cfg)
+        training.write_summary(out, summary)
+        last = summary["history"][-1] if summary["history"] else {}
+        print(json.dumps({"out": str(out), "steps": summary["steps"], "seconds": round(summary["seconds"], 1),
+                          "tokens": summary["tokens"], "last": last}), file=sys.stdout)
+    return 0
+
+
+def cmd_audit(args) -> int:
+    from . import audit, paths
+    from .dtypes import dtype_name
+    from .models import ATTN_KERNELS
+
+    dtypes = [dtype_name(d) for d in args.dtypes.split(",") if d]
+    attns = [a for a in args.attn.split(",") if a]
+    for a in attns:
+        if a not in ATTN_KERNELS:
+            raise LosslessError(f"unknown attention kernel '{a}': choose from {', '.join(ATTN_KERNELS)}")
+    if not dtypes or not attns:
+        raise LosslessError("--dtypes and --attn need at least one value each")
+    configs = None
+    if args.configs is not None:
+        configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+        if not configs:
+            raise LosslessError("--configs needs at least one dtype/attn")
+        plan = [audit.parse_config(c) for c in configs]  # checks every entry before any work
+        dtypes = list(dict.fromkeys(d for d, _, _ in plan))
+        attns = list(dict.fromkeys(a for _, a, _ in plan))
+    if args.shard:
+        audit.parse_shard(args.shard)
+    cfg = audit.AuditConfig(model=args.model, head=args.head, suite=str(args.suite or paths.DEFAULT_SUITE),
+                            dtypes=dtypes, attns=attns, max_new_tokens=args.max_new_tokens, k=args.k,
+                            limit_per_domain=args.limit_per_domain, device=args.device, configs=configs)
+    result = audit.run_audit(cfg, args.out, shard=args.shard, command=["lossless", *args.argv],
+                             progress=not args.no_progress)
+    print(json.dumps(result))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .report import write_report
+
+    out = Path(args.out or args.run_dir)
+    summary = write_report(args.run_dir, out, at_rest=args.at_rest)
+    print(f"report: {out / 'report.md'}")
+    for c in summary["configs"]:
+        lo, hi = c["ci95"]
+        label = c["label"]
+        print(f"  {label}: exact match {100 * c['exact_match_rate']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] "
+              f"(n={c['n']}), {c['mean_tokens_per_step']:.2f} tokens/step")
+    return 0
+
+
+def cmd_probe(args) -> int:
+    from .models import load_model
+    from .probe import format_table, probe
+
+    if not args.text.strip():
+        raise LosslessError("the text is empty")
+    if args.k < 2:
+        raise LosslessError("--k must be >= 2 to compare a block with single tokens")
+    model = load_model(args.model, args.dtype, args.device, args.attn, head=args.head)
+    if model.tokenizer is None:
+        raise LosslessError("this model has no tokenizer; the probe needs text")
+    ids = list(model.tokenizer(args.text)["input_ids"])
+    result = probe(model, ids, args.k)
+    print(format_table(result, only_differing=not args.all))
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .evaluation import parse_dtype_list, parse_modes, render_table, run_eval
+    from .evaltasks import resolve_tasks
+    from .names import check_attn
+
+    check_attn(args.attn)
+    tasks = resolve_tasks(args.tasks)
+    modes = parse_modes(args.modes)
+    dtypes = parse_dtype_list(args.dtypes)
+    summary = run_eval(args.model, tasks, modes, dtypes, args.out, attn=args.attn, head=args.head, k=args.k,
+                       limit=args.limit, confirm_unsafe=args.confirm_run_unsafe_code, device=args.device,
+                       progress=not args.no_progress, command=["lossless", *args.argv])
+    print(render_table(summary))
+    print(f"wrote {Path(args.out) / 'summary.json'} and {Path(args.out) / 'report.md'}")
+    return 0
+
+
+def cmd_tasks(args) -> int:
+    from .evaltasks import write_tasks
+
+    print(write_tasks(args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lossless", description="Orthrus dual-view decoding, audited for exactness")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="decode one prompt with ar or orthrus")
     _add_model_args(g)
-    g.add_argument("--mode", default="orthrus", choices=["orthrus", "ar"])
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--mode", default="orthrus", choices=MODES, help="orthrus (draft + verify) or ar (one token per forward)")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many generated tokens")
     g.add_argument("--k", type=int, default=None, help="block size (default: the head's k)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--no-chat-template", action="store_true")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = no filter)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set with this mass (1 = no filter)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     g.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
-    g.add_argument("prompt")
+    g.add_argument("prompt", help="the text to continue")
     g.set_defaults(func=cmd_generate)
 
-    from . import commands
+    t = sub.add_parser("train", help="train a draft head by distillation (backbone frozen)")
+    _add_model_args(t, head=False, attn=False)
+    t.add_argument("--out", required=True, help="head directory to write (checkpoint + head files)")
+    t.add_argument("--k", type=int, default=8, help="block size")
+    t.add_argument("--prompts", default=None, help="JSONL prompts for self-distillation (default: the shipped training prompts)")
+    t.add_argument("--data", nargs="*", default=[], help="extra plain-text files/directories or JSONL with a 'text' field")
+    t.add_argument("--steps", type=int, default=1000, help="optimiser steps")
+    t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    t.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
+    t.add_argument("--loss", default="kl", choices=["kl", "ce"], help="KL(AR || draft) or cross-entropy on AR tokens")
+    t.add_argument("--seqs-per-step", type=int, default=4, help="training sequences per step")
+    t.add_argument("--anchors", type=int, default=16, help="blocks drafted per sequence per step")
+    t.add_argument("--save-every", type=int, default=100, help="write a checkpoint every this many steps")
+    t.add_argument("--eval-every", type=int, default=200, help="measure tokens per step on held-out prompts this often")
+    t.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts per evaluation (0 = none)")
+    t.add_argument("--max-new-tokens", type=int, default=128, help="length of self-distillation responses")
+    t.add_argument("--distill-batch", type=int, default=16, help="prompts per batch when generating responses")
+    t.add_argument("--encoding", default="full", choices=["full", "delta_int8"], help="how the head is stored")
+    t.add_argument("--seed", type=int, default=0, help="seed of data order and anchors")
+    t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    t.add_argument("--stop-at", type=int, default=None, help="leave after this step with a checkpoint (resume later)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    t.set_defaults(func=cmd_train)
 
-    commands.register(sub, _add_model_args)
+    a = sub.add_parser("audit", help="AR vs Orthrus trajectories over a prompt suite, appended to a run directory")
+    _add_model_args(a, "fp32,bf16", dtype_list=True, attn_list=True)
+    a.add_argument("--suite", default=None, help="JSONL {id, domain, prompt} or JSON {domain: [prompts]}")
+    a.add_argument("--configs", default=None,
+                   help="the plan instead of --dtypes x --attn: comma-separated dtype/attn[:prompts per domain], "
+                        "run in this order, e.g. bf16/sdpa,fp32/sdpa,fp16/sdpa:20")
+    a.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
+    a.add_argument("--k", type=int, default=None, help="block size (default: the head's k)")
+    a.add_argument("--limit-per-domain", type=int, default=None, help="first N prompts of each domain")
+    a.add_argument("--shard", default=None,
+                   help="i/n: run every n-th item starting at i (default: the process's rank under accelerate "
+                        "launch or torchrun, else everything)")
+    a.add_argument("--out", required=True, help="run directory, e.g. runs/NAME")
+    a.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a.set_defaults(func=cmd_audit)
+
+    r = sub.add_parser("report", help="write report.md, plots and summary.json for an audit run")
+    r.add_argument("run_dir", help="the --out directory of `lossless audit`")
+    r.add_argument("--out", default=None, help="where to write (default: the run directory)")
+    r.add_argument("--at-rest", action="store_true",
+                   help="only the compressed record segments (what is committed), not a running writer's plain file")
+    r.set_defaults(func=cmd_report)
+
+    pr = sub.add_parser("probe", help="name the first op where a block pass differs from one-token-at-a-time")
+    _add_model_args(pr, dtype="bf16")
+    pr.add_argument("--k", type=int, default=8, help="block size compared with single steps")
+    pr.add_argument("--all", action="store_true", help="list every op, not only the differing ones")
+    pr.add_argument("--json", action="store_true", help="also print the result as one JSON line")
+    pr.add_argument("text", help="text whose last k tokens are compared")
+    pr.set_defaults(func=cmd_probe)
+
+    e = sub.add_parser("eval", help="task scores of ar and orthrus side by side, through lm-evaluation-harness")
+    _add_model_args(e, "bf16", dtype_list=True)
+    e.add_argument("--tasks", default="humaneval,arith,capitals", help="comma-separated: humaneval, arith, capitals")
+    e.add_argument("--modes", default="ar,orthrus", help=f"comma-separated decoding modes: {', '.join(MODES)}")
+    e.add_argument("--k", type=int, default=None, help="block size (default: the head's k)")
+    e.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
+    e.add_argument("--confirm-run-unsafe-code", action="store_true",
+                   help="allow tasks that execute model-written code (humaneval)")
+    e.add_argument("--out", required=True, help="output directory, e.g. runs/eval")
+    e.add_argument("--no-progress", action="store_true", help="no progress bars")
+    e.set_defaults(func=cmd_eval)
+
+    tk = sub.add_parser("tasks", help="write the local lm-eval tasks (data + YAML) for --include_path")
+    tk.add_argument("--out", required=True, help="directory to write")
+    tk.set_defaults(func=cmd_tasks)
     return parser
 
 

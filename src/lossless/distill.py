@@ -4,7 +4,8 @@ Responses are generated in left-padded batches with Hugging Face `generate` (gre
 in `lossless generate`) and appended to a JSONL file one record per prompt, so an interrupted run
 resumes where it stopped. Records: `{"id", "prompt_ids", "response_ids"}`.
 
-Also checks that training prompts are disjoint from an audit suite (normalised text equality).
+Also checks that training prompts are disjoint from an audit suite (normalised text equality), and
+reads plain-text training data (`text_records`).
 """
 
 from __future__ import annotations
@@ -84,3 +85,44 @@ def generate_responses(model: OrthrusLM, prompts: list[dict], out_path: str | Pa
             bar.update(len(batch))
     bar.close()
     return load_records(out_path)
+
+
+def records_path(model: str, prompts: str | Path, max_new_tokens: int) -> Path:
+    """Where the self-distillation responses of `model` to a prompt file are cached."""
+    from .models import cache_dir
+
+    return cache_dir() / "distill" / f"{Path(model).name}__{Path(prompts).stem}__{max_new_tokens}.jsonl"
+
+
+def text_files(paths: list[str]) -> list[Path]:
+    """The files behind `--data`: files as given, directories as their *.txt files (sorted)."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files.extend(sorted(p.rglob("*.txt")))
+        elif p.exists():
+            files.append(p)
+        else:
+            raise LosslessError(f"--data {p}: no such file or directory")
+    return files
+
+
+def text_records(paths: list[str], tokenizer, chunk: int = 256) -> list[dict]:
+    """Plain-text training data: files, directories of .txt, or JSONL with a 'text' field, chunked."""
+    records = []
+    for f in text_files(paths):
+        if f.suffix == ".jsonl":
+            texts = []
+            for i, obj in enumerate(read_jsonl(f, what="--data file"), 1):
+                if not isinstance(obj.get("text"), str):
+                    raise LosslessError(f"{f}: record {i}: expected a JSON object with a \"text\" field")
+                texts.append(obj["text"])
+        else:
+            texts = [f.read_text(encoding="utf-8")]
+        for text in texts:
+            ids = tokenizer(text)["input_ids"]
+            for s in range(0, max(len(ids) - 8, 1), chunk):
+                piece = ids[s:s + chunk]
+                if len(piece) > 8:
+                    records.append({"id": f"{f.name}:{s}", "prompt_ids": piece[:1], "response_ids": piece[1:]})
+    return records

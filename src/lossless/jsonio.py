@@ -30,11 +30,11 @@ def read_jsonl(path: str | Path, *, skip_bad_lines: bool = False, what: str = "f
         except json.JSONDecodeError as exc:
             if skip_bad_lines:
                 continue
-            raise LosslessError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
+            raise LosslessError(f"{what} {path}:{lineno}: invalid JSON ({exc.msg})") from None
         if not isinstance(obj, dict):
             if skip_bad_lines:
                 continue
-            raise LosslessError(f"{path}:{lineno}: expected a JSON object")
+            raise LosslessError(f"{what} {path}:{lineno}: expected a JSON object")
         rows.append(obj)
     return rows
 
