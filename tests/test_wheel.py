@@ -74,7 +74,9 @@ def test_the_wheel_audits_the_default_suite(installed):
          installed["work"], installed["env"])
     run = json.loads((out / "run.json").read_text())
     assert Path(run["config"]["suite"]).is_relative_to(installed["site"])
-    domains = {json.loads(line)["domain"] for line in (out / "records.jsonl").read_text().splitlines()}
+    from lossless.records import read_records
+
+    domains = {r["domain"] for r in read_records(out)}
     assert len(domains) == 12
 
 

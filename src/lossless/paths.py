@@ -9,7 +9,8 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 _SHIPPED = PACKAGE_DIR / "_shipped"  # present in a wheel install only
-ROOT = _SHIPPED if _SHIPPED.is_dir() else PACKAGE_DIR.parents[1]
+REPO_ROOT = PACKAGE_DIR.parents[1]  # the source checkout (meaningful in an editable install only)
+ROOT = _SHIPPED if _SHIPPED.is_dir() else REPO_ROOT
 SUITES_DIR = ROOT / "suites"
 DATA_DIR = ROOT / "data"
 HEADS_DIR = ROOT / "heads"
