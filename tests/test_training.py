@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from conftest import tiny_orthrus
-from lossless.training import DistillLoss, TrainConfig, choose_anchors, step_rng, train, training_mask
+from lossless.dualview import block_visibility
+from lossless.training import DistillLoss, TrainConfig, choose_anchors, step_rng, train
 
 
 def synthetic_records(n: int = 8, seed: int = 0) -> list[dict]:
@@ -19,9 +20,9 @@ def synthetic_records(n: int = 8, seed: int = 0) -> list[dict]:
              "response_ids": torch.randint(1, 60, (24,), generator=g).tolist()} for _ in range(n)]
 
 
-def test_training_mask_matches_hand_drawn_example():
+def test_block_visibility_matches_hand_drawn_example():
     # two blocks of k=3 at anchors 2 and 4 over a context of 5 AR keys
-    got = training_mask([2, 4], 3, 5).int().tolist()
+    got = block_visibility([2, 4], 3, 5).int().tolist()
     #          ctx: 0 1 2 3 4 | blk0 0 1 2 | blk1 0 1 2
     expected = [[1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0]] * 3 + [[1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1]] * 3
     assert got == expected

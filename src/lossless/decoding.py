@@ -1,6 +1,10 @@
-"""The decode loops: `ar` (the reference) and `orthrus` (draft -> verify -> accept -> commit).
+"""The decode loops: `ar` (the reference) and `orthrus`, in one of two cycles:
 
-Both loops share prefill, stopping and commit, so they differ only in how a cycle proposes tokens.
+- `two-pass` (the authors' Orthrus, the default): draft -> verify -> accept -> commit, two forwards;
+- `fused`: one forward verifies the pending block and drafts the next one for every possible acceptance
+  count (`OrthrusLM.verify_and_draft`) -> accept -> commit -> keep the drafts of the group that matches.
+
+All loops share prefill, stopping and commit, so they differ only in how a cycle proposes tokens.
 State travels in `DecodeState`; `commit` is the one place that appends tokens, applies EOS and
 max_new_tokens, and crops the cache (through `commit_cache`, which checks the invariant "cache holds
 every committed token but the last"): decoding owns the cache length.
@@ -20,7 +24,7 @@ from typing import Callable, Protocol
 import torch
 
 from .errors import LosslessError
-from .names import check_mode
+from .names import check_cycle, check_mode
 from .sampling import SamplingConfig, argmax, sample
 
 
@@ -45,6 +49,14 @@ class DecodingModel(Protocol):
     def draft(self, cache, last_token: int, k: int) -> torch.Tensor:
         """Draft logits [k-1, V]; reads the cache, never writes it."""
 
+    def verify_and_draft(self, cache, block_ids: list[int], anchors: list[int],
+                         width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward: AR logits [len(block), V] (appending the block to the cache) and, for each block
+        offset in `anchors`, a draft group's hidden states [len(anchors), width, d]."""
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [m, V] of draft rows [m, d] from `verify_and_draft`."""
+
 
 def commit_cache(cache, n_committed: int) -> None:
     """Crop the cache so it holds positions 0..n_committed-2 (the last committed token is not yet fed)."""
@@ -64,6 +76,8 @@ class DecodeConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eos_ids: tuple[int, ...] = ()
     record_margins: bool = False  # keep the top-1 minus top-2 logit margin of every committed token
+    cycle: str = "two-pass"  # how orthrus spends forwards: "two-pass" (draft, then verify) or "fused"
+    groups: int | None = None  # fused: draft groups per forward, for acceptance counts 0..groups-1 (None = all)
 
 
 @dataclass
@@ -108,6 +122,8 @@ class DecodeState:
     finished: str | None = None  # "eos" | "length" once done
     stats: DecodeStats = field(default_factory=DecodeStats)
     margins: list[float] = field(default_factory=list)  # per generated token, when cfg.record_margins
+    drafts: list[int] = field(default_factory=list)  # fused: drafted continuation of the last committed token
+    draft_q: torch.Tensor | None = None  # fused, sampling: the drafts' distributions [len(drafts), V]
 
     @property
     def generated(self) -> list[int]:
@@ -162,6 +178,9 @@ def validate(model: DecodingModel, prompt_ids: list[int], cfg: DecodeConfig, mod
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the model's "
             f"context of {model.max_positions}: shorten the prompt or lower --max-new-tokens"
         )
+    check_cycle(cfg.cycle)
+    if cfg.groups is not None and cfg.groups < 1:
+        raise LosslessError(f"--groups must be >= 1, got {cfg.groups}")
     k = model.k if cfg.k is None else int(cfg.k)
     if not 1 <= k <= model.k:
         raise LosslessError(f"--k must be between 1 and the head's k ({model.k}), got {k}")
@@ -256,6 +275,46 @@ def orthrus_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k
     return commit(state, [*drafts[:n_accepted], bonus_token], cfg, logits[: n_accepted + 1])
 
 
+def fused_cycle(model: OrthrusLM, state: DecodeState, cfg: DecodeConfig, k: int, generator,
+                drafter: Drafter | None = None) -> list[int]:
+    """One fused cycle: verify [last token, pending drafts] and draft every possible next block in one
+    forward -> accept -> commit -> keep the drafts of the group anchored where acceptance stopped.
+
+    Group n is anchored at block position n (the last token kept when n drafts are accepted); its mask
+    rows draft the tokens after the bonus token. A cycle with no pending drafts (the first one, or after
+    an acceptance count with no group) is an AR step that also drafts."""
+    remaining = cfg.max_new_tokens - len(state.generated)
+    drafts = state.drafts[: remaining - 1]  # never verify past max_new_tokens
+    q = state.draft_q[: len(drafts)] if state.draft_q is not None else None
+    block = [state.tokens[-1], *drafts]
+    n_groups = 0 if k == 1 else len(block) if cfg.groups is None else min(len(block), cfg.groups)
+    # 1. verify + draft: one forward; the verify rows are exactly a verify pass, the groups never touch the cache
+    logits, groups = model.verify_and_draft(state.cache, block, list(range(n_groups)), k - 1)  # [len(block), V]
+    state.stats.forwards += 1
+    # 2. accept: longest agreeing prefix (greedy) or rejection sampling against the drafts' q, plus one AR token
+    if cfg.sampling.greedy:
+        n_accepted, bonus_token = accept_greedy(drafts, logits)
+    else:
+        n_accepted, bonus_token = accept_sampling(drafts, q, cfg.sampling.probs(logits), generator)
+    state.stats.accepted.append(n_accepted)
+    # 3. commit: accepted drafts + the AR token; the cache is cropped back to the committed length
+    kept = commit(state, [*drafts[:n_accepted], bonus_token], cfg, logits[: n_accepted + 1])
+    # 4. the next block's drafts: group n_accepted's mask rows (or a test's drafter), cut to what is left
+    state.drafts, state.draft_q = [], None
+    k_next = min(k, cfg.max_new_tokens - len(state.generated))
+    if state.finished is None and k_next > 1:
+        if drafter is not None:
+            state.drafts, state.draft_q = drafter(model, state, k_next, cfg.sampling, generator)
+        elif n_accepted < n_groups:
+            draft_logits = model.draft_logits(groups[n_accepted, : k_next - 1])  # [k_next - 1, V]
+            if cfg.sampling.greedy:
+                state.drafts = argmax(draft_logits).tolist()
+            else:
+                state.draft_q = cfg.sampling.probs(draft_logits)
+                state.drafts = [sample(state.draft_q[j], generator) for j in range(state.draft_q.shape[0])]
+    return kept
+
+
 # --------------------------------------------------------------------------------------------- the loop
 def decode(model: DecodingModel, prompt_ids: list[int], mode: str = "orthrus", cfg: DecodeConfig | None = None,
            on_tokens: Callable[[list[int]], None] | None = None, drafter: Drafter = model_drafter,
@@ -272,6 +331,9 @@ def decode(model: DecodingModel, prompt_ids: list[int], mode: str = "orthrus", c
     generator = cfg.sampling.generator(model.device)
     start = time.perf_counter()
     state = prefill(model, prompt_ids, cfg, generator)
+    if mode == "orthrus" and cfg.cycle == "fused" and drafter is not model_drafter and state.finished is None:
+        # a given drafter drafts the first block too (the model's own drafts come from the first fused forward)
+        state.drafts, state.draft_q = drafter(model, state, min(k, cfg.max_new_tokens - 1), cfg.sampling, generator)
     if on_tokens:
         on_tokens(state.generated)
     if stop is not None and state.finished is None and stop(state):
@@ -279,6 +341,8 @@ def decode(model: DecodingModel, prompt_ids: list[int], mode: str = "orthrus", c
     while state.finished is None:
         if mode == "ar":
             new = ar_cycle(model, state, cfg, generator)
+        elif cfg.cycle == "fused":
+            new = fused_cycle(model, state, cfg, k, generator, None if drafter is model_drafter else drafter)
         else:
             new = orthrus_cycle(model, state, cfg, k, generator, drafter)
         state.stats.steps += 1

@@ -51,6 +51,31 @@ class DraftSpec:
 
     context_mask: torch.Tensor | None = None
     context: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # Fused forwards (one forward verifies a block and drafts the next): the first `verify_rows` rows are
+    # the AR view (causal under `verify_mask` [1, 1, v, n_cache + v], written to the cache), the rest
+    # are draft rows that see the cache *after* the verify rows were written, under `context_mask`.
+    verify_rows: int = 0
+    verify_mask: torch.Tensor | None = None
+
+
+def block_visibility(anchors: list[int], k: int, n_ctx: int) -> torch.Tensor:
+    """The draft view's mask, in training and in fused decoding alike: visibility [n*k, n_ctx + n*k]
+    (True = may attend) for blocks of k rows at absolute positions `anchors` over n_ctx AR keys. Block b
+    sees AR keys j < anchors[b] and all k positions of its own block."""
+    n = len(anchors)
+    visible = torch.zeros(n * k, n_ctx + n * k, dtype=torch.bool)
+    for b, a in enumerate(anchors):
+        rows = slice(b * k, (b + 1) * k)
+        visible[rows, :a] = True
+        visible[rows, n_ctx + b * k: n_ctx + (b + 1) * k] = True
+    return visible
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [q, kv] -> additive float mask [1, 1, q, kv] (0 where visible, dtype-min elsewhere)."""
+    mask = torch.zeros(visible.shape, dtype=dtype)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[None, None]
 
 
 class DualViewAttentionMixin:
@@ -66,7 +91,24 @@ class DualViewAttentionMixin:
                 cache=cache,
                 **kwargs,
             )
+        if draft.verify_rows:
+            return self._fused_forward(hidden_states, position_embeddings, cache, draft, kwargs)
         return self._draft_forward(hidden_states, position_embeddings, cache, draft)
+
+    def _fused_forward(self, hidden_states, position_embeddings, cache, draft: DraftSpec, kwargs):
+        """Verify rows through the AR view (appending to the cache), then draft rows through the draft view
+        over the grown cache: one forward, two views, outputs in input row order."""
+        v = draft.verify_rows
+        cos, sin = position_embeddings
+        # rows as [1, q, d] tensors of their own strides: a slice keeps the parent's batch stride, which makes
+        # every projection a batched matmul that copies its weight
+        verify, rest = hidden_states[0, :v].unsqueeze(0), hidden_states[0, v:].unsqueeze(0)
+        verified, _ = super().forward(verify, position_embeddings=(cos[:, :v], sin[:, :v]),
+                                      attention_mask=draft.verify_mask, cache=cache, **kwargs)
+        if rest.shape[1] == 0:  # no draft rows (block size 1)
+            return verified, None
+        drafted, _ = self._draft_forward(rest, (cos[:, v:], sin[:, v:]), cache, draft)
+        return torch.cat([verified, drafted], dim=1), None
 
     def _project_diff(self, hidden_states: torch.Tensor, name: str) -> torch.Tensor:
         """[b, q, d] -> [b, heads, q, head_dim] through the diff projection (and diff norm if any)."""

@@ -25,7 +25,8 @@ from . import exact
 from . import head as headfile
 from .decoding import DecodeConfig, GenerationOutput, decode
 from .dtypes import dtype_name
-from .dualview import DraftSpec, backbone_parameters, diff_parameters, diff_reference_parameters, install_dual_view
+from .dualview import (DraftSpec, additive_mask, backbone_parameters, block_visibility, diff_parameters,
+                       diff_reference_parameters, install_dual_view)
 from .errors import LosslessError
 from .names import EXACT, check_attn
 
@@ -232,7 +233,7 @@ class OrthrusLM(nn.Module):
         n = anchor_ids.shape[0]
         masks = mask.expand(n, k - 1, -1)  # [n, k-1, d]
         block = torch.cat([anchors[:, None], masks], dim=1)  # [n, k, d]
-        return block.reshape(1, n * k, -1)
+        return block.reshape(1, n * k, anchors.shape[-1])
 
     def draft_hidden(self, embeds: torch.Tensor, position_ids: torch.Tensor, cache=None,
                      spec: DraftSpec | None = None) -> torch.Tensor:
@@ -254,11 +255,52 @@ class OrthrusLM(nn.Module):
         assert cache.get_seq_length() == length_before, "the draft pass must not write the cache"
         return logits[: k - 1]
 
+    @torch.no_grad()
+    def verify_and_draft(self, cache: DynamicCache, block_ids: list[int], anchors: list[int],
+                         width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward, two views (the fused cycle). The AR view runs over `block_ids` at positions pos.. (pos =
+        cache length), causal, appended to the cache: exactly a verify pass. In the same forward, for every
+        block offset n in `anchors`, a draft group `[block_ids[n], MASK x width]` at positions pos+n..
+        runs through the draft view, seeing the cache and the block's keys strictly before pos+n and its
+        own group bidirectionally: the layout the head was trained on. Groups are never written to the cache,
+        and no verify row sees a group row.
+
+        Returns (verify logits [len(block_ids), V], group hidden states [len(anchors), width, d] at the mask
+        positions; `draft_logits` turns the chosen group's rows into logits)."""
+        pos = cache.get_seq_length()
+        v, g, rows = len(block_ids), len(anchors), width + 1
+        ids = torch.tensor(block_ids, device=self.device)
+        offsets = torch.tensor(anchors, dtype=torch.long, device=self.device)
+        embeds = torch.cat([self.backbone.get_input_embeddings()(ids)[None],
+                            self.block_embeddings(ids[offsets], rows)], dim=1)  # [1, v + g*rows, d]
+        steps = torch.arange(rows, device=self.device)
+        position_ids = torch.cat([pos + torch.arange(v, device=self.device),
+                                  (pos + offsets[:, None] + steps).reshape(-1)])[None]
+        causal = torch.ones(v, pos + v, dtype=torch.bool).tril(pos)  # row r sees keys 0..pos+r
+        verify_mask = additive_mask(causal, self.dtype).to(self.device)
+        group_mask = additive_mask(block_visibility([pos + n for n in anchors], rows, pos + v), self.dtype)
+        spec = DraftSpec(context_mask=group_mask.to(self.device), verify_rows=v, verify_mask=verify_mask)
+        with exact.first_position(pos):
+            out = self.backbone.model(inputs_embeds=embeds, position_ids=position_ids, attention_mask=verify_mask,
+                                      cache=cache, use_cache=True, orthrus_draft=spec)
+        hidden = out.last_hidden_state[0]  # [v + g*rows, d]
+        assert cache.get_seq_length() == pos + v, "a fused forward writes exactly its verify rows"
+        return self.backbone.lm_head(hidden[:v]), hidden[v:].reshape(g, rows, hidden.shape[-1])[:, 1:]
+
+    @torch.no_grad()
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head over draft rows chosen after acceptance: hidden [m, d] -> logits [m, V]. Drafts only
+        propose, so stock kernels serve them even in exact mode."""
+        with exact.stock_kernels():
+            return self.backbone.lm_head(hidden)
+
     # ------------------------------------------------------------------------------------------ generate
     def generate(self, prompt: str | list[int], mode: str = "orthrus", *, max_new_tokens: int = 128,
                  k: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 chat_template: bool = True, on_text=None, on_tokens=None) -> GenerationOutput:
-        """Decode `prompt` (text, or token ids used as-is) with `mode` ("ar" | "orthrus").
+                 chat_template: bool = True, cycle: str = "two-pass", groups: int | None = None, on_text=None,
+                 on_tokens=None) -> GenerationOutput:
+        """Decode `prompt` (text, or token ids used as-is) with `mode` ("ar" | "orthrus"); orthrus runs the
+        `cycle` "two-pass" (draft, then verify) or "fused" (one forward per cycle, `groups` draft groups).
 
         on_text(str) receives text as tokens are committed; on_tokens(list[int]) the committed ids.
         Returns a GenerationOutput(text, token_ids, stats, prompt_ids, finish_reason).
@@ -268,7 +310,7 @@ class OrthrusLM(nn.Module):
 
         prompt_ids = list(prompt) if isinstance(prompt, (list, tuple)) else encode_prompt(self.tokenizer, prompt,
                                                                                           chat_template)
-        cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=k,
+        cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=k, cycle=cycle, groups=groups,
                            sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
         stream = StreamDecoder(self.tokenizer) if (on_text and self.tokenizer is not None) else None
 

@@ -1,4 +1,4 @@
-"""The names users pick from: decoding modes, attention kernels, compute precisions.
+"""The names users pick from: decoding modes, Orthrus cycles, attention kernels, compute precisions.
 
 Every command, the library and the lm-eval adapter check these names here, so a new kernel or mode is
 added in one place. This module knows names only; what a kernel does lives in `model.py`/`exact.py`,
@@ -10,6 +10,7 @@ from __future__ import annotations
 from .errors import LosslessError
 
 MODES = ("ar", "orthrus")
+CYCLES = ("two-pass", "fused")  # how orthrus spends forwards: draft then verify, or both in one forward
 EXACT = "exact"
 ATTN_KERNELS = ("sdpa", "eager", EXACT)
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
@@ -19,6 +20,12 @@ def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise LosslessError(f"unknown mode '{mode}': choose one of {', '.join(MODES)}")
     return mode
+
+
+def check_cycle(cycle: str) -> str:
+    if cycle not in CYCLES:
+        raise LosslessError(f"unknown cycle '{cycle}': choose one of {', '.join(CYCLES)}")
+    return cycle
 
 
 def check_attn(attn: str) -> str:

@@ -4,7 +4,7 @@ Per training sequence (prompt + the model's own greedy response):
 1. teacher: one AR pass without gradients gives every layer's keys/values and the teacher logits;
 2. draft: `anchors` blocks `[x_a, MASK x (k-1)]` at random anchor positions a in the response run in one
    draft-view pass; each block attends to AR keys strictly before its anchor and bidirectionally to
-   itself (`training_mask`);
+   itself (`dualview.block_visibility`);
 3. loss: forward KL(p_AR || q_draft) (or cross-entropy on the teacher's argmax) at block positions
    0..k-2, whose targets are the AR distributions at positions a..a+k-2.
 
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from .dualview import DraftSpec
+from .dualview import DraftSpec, additive_mask, block_visibility
 from .errors import LosslessError
 from .jsonio import atomic_write
 from .model import OrthrusLM
@@ -62,25 +62,6 @@ class TrainConfig:
     distill_batch: int = 16
 
 
-def training_mask(anchors: list[int], k: int, n_ctx: int) -> torch.Tensor:
-    """Visibility [n*k, n_ctx + n*k] (True = may attend) for blocks at `anchors` over a context of n_ctx
-    AR keys: block b sees AR keys j < anchors[b] and all k positions of its own block."""
-    n = len(anchors)
-    visible = torch.zeros(n * k, n_ctx + n * k, dtype=torch.bool)
-    for b, a in enumerate(anchors):
-        rows = slice(b * k, (b + 1) * k)
-        visible[rows, :a] = True
-        visible[rows, n_ctx + b * k: n_ctx + (b + 1) * k] = True
-    return visible
-
-
-def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool [q, kv] -> additive float mask [1, 1, q, kv] (0 where visible, dtype-min elsewhere)."""
-    mask = torch.zeros(visible.shape, dtype=dtype)
-    mask.masked_fill_(~visible, torch.finfo(dtype).min)
-    return mask[None, None]
-
-
 def step_rng(seed: int, step: int, slot: int = 0) -> random.Random:
     """The RNG of one (step, slot): deterministic, so a resumed run draws what the original would."""
     return random.Random(f"{seed}:{step}:{slot}")
@@ -110,7 +91,7 @@ class DistillLoss(nn.Module):
         anchor_t = torch.tensor(anchors, device=device)
         embeds = m.block_embeddings(seq[0, anchor_t], k)  # [1, n*k, d]
         positions = (anchor_t[:, None] + torch.arange(k, device=device)).reshape(1, -1)
-        mask = additive_mask(training_mask(anchors, k, length), m.dtype).to(device)
+        mask = additive_mask(block_visibility(anchors, k, length), m.dtype).to(device)
         draft_logits = m.draft_hidden(embeds, positions, spec=DraftSpec(context_mask=mask, context=context))
         draft_logits = draft_logits.float().view(len(anchors), k, -1)[:, : k - 1]  # [n, k-1, V]
         # 3. targets: teacher rows a..a+k-2, kept where the target token lies inside the sequence
