@@ -1,5 +1,6 @@
 """Decoding speed, side by side in one process: HF `generate` greedy, our `ar`, HF prompt-lookup
-decoding, and `orthrus` with the model's head (the shipped one by default).
+decoding, and `orthrus` with the model's head (the shipped one by default), in the two-pass cycle and
+the fused one (`orthrus_fused`; `--fused 4:2,3:3` adds more block-size:group settings side by side).
 
 Methods run alternately on each prompt, for several repeats; the table reports medians over prompts
 of per-prompt medians over repeats. Tokens per step = tokens committed per decode cycle after the
@@ -26,7 +27,8 @@ from lossless.distill import read_prompts
 from lossless.errors import LosslessError
 from lossless.text import encode_prompt
 
-METHODS = ("hf_generate", "ar", "prompt_lookup", "orthrus")
+METHODS = ("hf_generate", "ar", "prompt_lookup", "orthrus", "orthrus_fused")
+FUSED_DEFAULT = "4:2"  # block size k : draft groups per forward (acceptance counts 0..groups-1); see README
 
 
 class ForwardCounter:
@@ -53,11 +55,21 @@ def run_hf(model, ids, max_new_tokens, eos, counter, prompt_lookup=False):
     return {"tokens": new, "seconds": seconds, "forwards": forwards, "steps": max(forwards - 1, 1), "accepted": []}
 
 
-def run_ours(model, ids, max_new_tokens, mode, k):
-    state = lossless.decode(model, ids, mode, lossless.DecodeConfig(max_new_tokens=max_new_tokens, k=k))
+def run_ours(model, ids, max_new_tokens, mode, k, cycle="two-pass", groups=None):
+    cfg = lossless.DecodeConfig(max_new_tokens=max_new_tokens, k=k, cycle=cycle, groups=groups)
+    state = lossless.decode(model, ids, mode, cfg)
     s = state.stats
     return {"tokens": state.generated, "seconds": s.seconds, "forwards": s.forwards, "steps": max(s.steps, 1),
             "accepted": list(s.accepted)}
+
+
+def parse_fused(text: str) -> tuple[int, int | None]:
+    """`4:2` -> (k=4, groups=2); `4` -> (4, None: a group for every acceptance count)."""
+    k, _, groups = text.partition(":")
+    try:
+        return int(k), (int(groups) if groups else None)
+    except ValueError:
+        raise LosslessError(f"--fused '{text}': expected k:groups, e.g. 4:2") from None
 
 
 def main(argv=None) -> int:
@@ -73,7 +85,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k", type=int, default=None)
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
+    ap.add_argument("--fused", default=FUSED_DEFAULT,
+                    help="orthrus_fused settings as k:groups, comma-separated; the first is `orthrus_fused`, the "
+                         "others run side by side as `orthrus_fused[k:groups]`")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     args = ap.parse_args(argv)
     try:
@@ -83,6 +98,9 @@ def main(argv=None) -> int:
         bad = [m for m in methods if m not in METHODS]
         if bad:
             raise LosslessError(f"unknown method {bad[0]}: choose from {', '.join(METHODS)}")
+        fused = [parse_fused(f) for f in args.fused.split(",") if f]
+        if "orthrus_fused" in methods and not fused:
+            raise LosslessError("--fused needs at least one k:groups setting")
         kernels = [a for a in args.attn.split(",") if a]
         model = lossless.load_model(args.model, args.dtype, attn=kernels[0], head=args.head)
         extra = {a: lossless.load_model(args.model, args.dtype, attn=a, head=args.head) for a in kernels[1:]}
@@ -95,25 +113,32 @@ def main(argv=None) -> int:
     eos = model.eos_token_ids()
     counter = ForwardCounter(model.backbone.model)
     encoded = [encode_prompt(model.tokenizer, p["prompt"]) for p in prompts]
-    variants = {m: (model, m) for m in methods}
+    variants = {m: (model, m, None) for m in methods}
+    if "orthrus_fused" in methods:
+        for j, setting in enumerate(fused):
+            variants["orthrus_fused" if j == 0 else f"orthrus_fused[{setting[0]}:{setting[1]}]"] = (model, "orthrus_fused", setting)
     for a, extra_model in extra.items():
         for m in ("ar", "orthrus"):
-            variants[f"{m}@{a}"] = (extra_model, m)
+            variants[f"{m}@{a}"] = (extra_model, m, None)
     methods = list(variants)
     per_prompt: dict[str, list[dict]] = {m: [] for m in methods}
     hist: dict[str, Counter] = {m: Counter() for m in methods}
     for warm in (model, *extra.values()):  # warm-up: first calls allocate and pick kernels
         for kind in ("ar", "orthrus"):
             run_ours(warm, encoded[0], 8, kind, args.k)
+        for k, groups in fused:
+            run_ours(warm, encoded[0], 8, "orthrus", k, "fused", groups)
     for ids in encoded:
         reps: dict[str, list[dict]] = {m: [] for m in methods}
         for _ in range(args.repeats):
             for m in methods:  # alternate methods so machine noise hits all alike
-                runner, kind = variants[m]
+                runner, kind, setting = variants[m]
                 if kind == "hf_generate":
                     r = run_hf(runner, ids, args.max_new_tokens, eos, counter)
                 elif kind == "prompt_lookup":
                     r = run_hf(runner, ids, args.max_new_tokens, eos, counter, prompt_lookup=True)
+                elif kind == "orthrus_fused":
+                    r = run_ours(runner, ids, args.max_new_tokens, "orthrus", setting[0], "fused", setting[1])
                 else:
                     r = run_ours(runner, ids, args.max_new_tokens, kind, args.k)
                 reps[m].append(r)
@@ -149,17 +174,19 @@ def main(argv=None) -> int:
     for a, m in extra.items():
         if m.exact_ops:
             print(f"{a} kernels: {'; '.join(m.exact_ops)}")
-    print(f"{'method':<15}{'tokens/s':>10}{'tok/step':>10}{'tok/fwd':>10}{'speedup':>10}{'new tok':>9}")
+    width = max(15, *(len(m) + 2 for m in summary))
+    print(f"{'method':<{width}}{'tokens/s':>10}{'tok/step':>10}{'tok/fwd':>10}{'speedup':>10}{'new tok':>9}")
     for m, s in summary.items():
         sp = f"{s['speedup_vs_hf_generate']:.2f}x" if s["speedup_vs_hf_generate"] else "-"
-        print(f"{m:<15}{s['tokens_per_second']:>10.1f}{s['tokens_per_step']:>10.2f}{s['tokens_per_forward']:>10.2f}"
+        print(f"{m:<{width}}{s['tokens_per_second']:>10.1f}{s['tokens_per_step']:>10.2f}{s['tokens_per_forward']:>10.2f}"
               f"{sp:>10}{s['mean_new_tokens']:>9.0f}")
     for m, s in summary.items():
         for key, value in s.items():
             if key.startswith("slowdown_vs_"):
                 print(f"{m}: {value:.3f}x the time per token of {m.split('@')[0]} with {key[len('slowdown_vs_'):]}")
-    if "orthrus" in summary and "acceptance_histogram" in summary["orthrus"]:
-        print("orthrus acceptance histogram (drafts accepted per cycle):", summary["orthrus"]["acceptance_histogram"])
+    for m, s in summary.items():
+        if "acceptance_histogram" in s:
+            print(f"{m} acceptance histogram (drafts accepted per cycle):", s["acceptance_histogram"])
     print(json.dumps(summary))
     return 0
 
