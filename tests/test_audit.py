@@ -323,3 +323,20 @@ def test_audit_cli_bad_input_exits_2(tmp_path, capsys):
     assert main(["report", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("lossless: error:") for line in err)
+
+
+def test_a_fused_audit_records_its_cycle_beside_two_pass_records(tmp_path):
+    suite = write_suite(tmp_path / "s.jsonl")
+    two_pass, fused = tmp_path / "two-pass", tmp_path / "fused"
+    run_audit(config(suite, dtypes=["fp32"]), two_pass, load=tiny_loader, progress=False)
+    run_audit(config(suite, dtypes=["fp32"], cycle="fused", groups=2), fused, load=tiny_loader, progress=False)
+    records = load_run(fused)[0]
+    assert len(records) == 6 and all(r["cycle"] == "fused" and r["key"].endswith("|fused") for r in records)
+    assert all(r["exact_match"] for r in records)  # fp32 on a tiny model
+    by_prompt = {r["prompt_id"]: r["ar_ids"] for r in load_run(two_pass)[0]}
+    assert {r["prompt_id"]: r["ar_ids"] for r in records} == by_prompt  # the same references
+    summary = write_report(fused)
+    assert [c["label"] for c in summary["configs"]] == ["fp32/sdpa fused"]
+    assert summary["configs"][0]["cycle"] == "fused"
+    with pytest.raises(LosslessError, match="cycle"):  # one run directory, one cycle
+        run_audit(config(suite, dtypes=["fp32"]), fused, load=tiny_loader, progress=False)

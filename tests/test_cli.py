@@ -102,6 +102,10 @@ BAD_INPUTS_BEFORE_LOADING = {
     "generate head missing": (lambda d, t: _gen("--model", d["model"], "--head", d["missing"], PROMPT), "no head"),
     "generate empty prompt": (lambda d, t: _gen("--model", d["model"], " "), "prompt is empty"),
     "generate top-p zero": (lambda d, t: _gen("--model", d["model"], "--top-p", "0", PROMPT), "--top-p"),
+    "generate groups zero": (lambda d, t: _gen("--model", d["model"], "--cycle", "fused", "--groups", "0", PROMPT),
+                             "--groups"),
+    "audit groups zero": (lambda d, t: ["audit", "--model", d["model"], "--cycle", "fused", "--groups", "0",
+                                        "--out", str(t / "run")], "--groups"),
     "audit suite missing": (lambda d, t: ["audit", "--model", d["model"], "--suite", str(t / "none.jsonl"),
                                           "--out", str(t / "run")], "none.jsonl"),
     "eval unknown kernel": (lambda d, t: ["eval", "--model", d["model"], "--attn", "flash", "--out", str(t / "e")],
@@ -121,7 +125,9 @@ def test_bad_input_is_refused_before_any_model_loads(dirs, tmp_path, capsys, mon
     monkeypatch.setattr(lossless.models, "_load_hf", no_loading)
     monkeypatch.setattr(lossless.models, "embedded_model_dir", no_loading)
     argv, needle = BAD_INPUTS_BEFORE_LOADING[case]
-    rc = main(argv(dirs, tmp_path))
+    args = argv(dirs, tmp_path)
+    capsys.readouterr()  # what building the inputs printed (e.g. a save_pretrained progress bar) is not the CLI's
+    rc = main(args)
     captured = capsys.readouterr()
     _assert_one_line_error(rc, captured.out, captured.err, needle)
 
@@ -197,6 +203,16 @@ def test_generate_streams_the_same_text_without_json(dirs, capsys):
     assert captured.out == expected["text"]
     summary = captured.err.strip().splitlines()[-1]
     assert summary.startswith("[orthrus fp32 |") and f"{len(expected['token_ids'])} tokens" in summary
+
+
+def test_generate_with_the_fused_cycle_equals_ar(dirs, capsys):
+    ar = _generate_json(capsys, "--model", dirs["model"], "--mode", "ar", "--max-new-tokens", "12", PROMPT)
+    fused = _generate_json(capsys, "--model", dirs["model"], "--cycle", "fused", "--max-new-tokens", "12", PROMPT)
+    assert fused["token_ids"] == ar["token_ids"]
+    assert fused["stats"]["forwards"] == 1 + fused["stats"]["steps"]  # one forward per cycle
+    with pytest.raises(SystemExit) as exc:  # argparse's choices
+        main(["generate", "--model", dirs["model"], "--cycle", "triple", PROMPT])
+    assert exc.value.code == 2 and "--cycle" in capsys.readouterr().err
 
 
 def test_generate_json_with_sampling_is_reproducible(dirs, capsys):

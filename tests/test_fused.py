@@ -253,3 +253,30 @@ def test_bad_cycle_and_groups_are_refused(models):
         decode(models["llama"], PROMPTS[0], "orthrus", DecodeConfig(cycle="triple"))
     with pytest.raises(LosslessError, match="groups"):
         decode(models["llama"], PROMPTS[0], "orthrus", fused(groups=0))
+
+
+# ------------------------------------------------------------------------------------------- exact mode
+@pytest.mark.parametrize("row_group", [1, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_exact_fused_equals_exact_ar_bitwise_in_half_precision(family, dtype, row_group):
+    """In exact mode the verify rows of a fused forward (beside dozens of group rows) compute bitwise what
+    single steps compute, so fused equals AR token for token in bf16 and fp16."""
+    from lossless.model import OrthrusLM
+    from conftest import tiny_backbone
+
+    model = OrthrusLM(tiny_backbone(family).to(dtype), k=8)  # the untrained head: drafts right now and then
+    model.set_attn("exact", row_group=row_group)
+    accepted = []
+    for prompt in ([1, 5, 9, 3], list(range(2, 60, 3))):
+        ar = decode(model, prompt, "ar", DecodeConfig(max_new_tokens=40, eos_ids=NO_EOS))
+        for k, groups in ((8, None), (4, 2)):
+            state = decode(model, prompt, "orthrus", fused(max_new_tokens=40, k=k, groups=groups, eos_ids=NO_EOS))
+            assert state.generated == ar.generated
+            accepted += state.stats.accepted
+    assert any(a > 0 for a in accepted) and 0 in accepted  # blocks were accepted and rejected
+    # and the verify rows are bitwise the single-step logits
+    cache, _ = model.prefill(PROMPTS[3])
+    logits, _ = model.verify_and_draft(copy.deepcopy(cache), [7, 8, 9, 10], [0, 1, 2, 3], 7)
+    single = copy.deepcopy(cache)
+    steps = torch.stack([model.step(single, t) for t in [7, 8, 9, 10]])
+    assert torch.equal(logits, steps)

@@ -43,3 +43,16 @@ def test_orthrus_equals_ar_on_the_embedded_model_without_eos(smollm2):
         cfg_k = DecodeConfig(max_new_tokens=N_NEW, k=k, eos_ids=(-1,))
         assert decode(smollm2, ids, "orthrus", cfg_k).generated == ar.generated
     assert len(ar.generated) == N_NEW
+
+
+def test_fused_cycle_equals_ar_on_the_embedded_model(smollm2):
+    ids = smollm2.tokenizer("The capital of France is", add_special_tokens=True)["input_ids"]
+    ar = decode(smollm2, ids, "ar", DecodeConfig(max_new_tokens=N_NEW, eos_ids=(-1,)))
+    for k, groups in ((8, None), (4, 2)):
+        fused = decode(smollm2, ids, "orthrus", DecodeConfig(max_new_tokens=N_NEW, k=k, groups=groups, cycle="fused",
+                                                             eos_ids=(-1,)))
+        assert fused.generated == ar.generated
+        assert fused.stats.forwards == 1 + fused.stats.steps
+    for prompt in PROMPTS:
+        assert smollm2.generate(prompt, mode="orthrus", cycle="fused", max_new_tokens=N_NEW).token_ids == \
+            smollm2.generate(prompt, mode="ar", max_new_tokens=N_NEW).token_ids

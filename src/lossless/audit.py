@@ -22,6 +22,7 @@ This module runs decodes and records them. Statistics and the report are in `sta
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -125,6 +126,8 @@ class AuditConfig:
     device: str = "cpu"
     configs: list[str] | None = None  # the plan as "dtype/attn[:n per domain]", in order; None = dtypes x attns
     head_digest: str = ""  # the head every record of the run was made with (set from the loaded model)
+    cycle: str = "two-pass"  # the Orthrus cycle audited ("fused": one forward per cycle)
+    groups: int | None = None  # fused: draft groups per forward (None = all)
 
     def plan(self) -> list[tuple[str, str, int | None]]:
         """(dtype, attn, prompts per domain or None for all), in the order the run works through them."""
@@ -246,7 +249,7 @@ def open_run(run_dir: Path, cfg: AuditConfig, planned: int, command: list[str]) 
     path.write_text(json.dumps(info, indent=2) + "\n")
 
 
-_DEFAULTS = {"configs": None}  # fields added after the first runs: absent in old run.json means the default
+_DEFAULTS = {"configs": None, "cycle": "two-pass", "groups": None}  # fields added after the first runs: absent in old run.json means the default
 
 
 def pinned_head(run_dir: Path) -> str:
@@ -282,8 +285,15 @@ class Reference:
         return cls(r["ar_ids"], r["ar_margins"], r["ref_log_ppl"], r["ar_forwards"], r["ar_seconds"], reused=True)
 
 
+def record_key(prompt_id: str, dtype: str, attn: str, reference_attn: str | None = None, cycle: str = "two-pass") -> str:
+    """`id|dtype|attn`, then `|ref-<kernel>` when the reference ran another kernel, `|<cycle>` unless two-pass."""
+    return (f"{prompt_id}|{dtype}|{attn}" + (f"|ref-{reference_attn}" if reference_attn not in (None, attn) else "")
+            + ("" if cycle == "two-pass" else f"|{cycle}"))
+
+
 def pair_record(prompt: dict, prompt_ids: list[int], dtype: str, attn: str, reference_attn: str, k: int,
-                max_new_tokens: int, ref: Reference, orth, machine: str = "", head: str = "") -> dict:
+                max_new_tokens: int, ref: Reference, orth, machine: str = "", head: str = "",
+                cycle: str = "two-pass") -> dict:
     """The audit record of one AR reference against one Orthrus run (a DecodeState)."""
     a, o = ref.ids, orth.generated
     div = first_divergence(a, o)
@@ -291,10 +301,9 @@ def pair_record(prompt: dict, prompt_ids: list[int], dtype: str, attn: str, refe
     def margin(margins, i):
         return round(margins[i], 6) if i is not None and i < len(margins) else None
 
-    key = f"{prompt['id']}|{dtype}|{attn}" + (f"|ref-{reference_attn}" if reference_attn != attn else "")
     return {
-        "key": key, "prompt_id": prompt["id"], "domain": prompt["domain"], "dtype": dtype, "attn": attn,
-        "reference_attn": reference_attn, "cycle": "two-pass", "k": k, "max_new_tokens": max_new_tokens,
+        "key": record_key(prompt["id"], dtype, attn, reference_attn, cycle), "prompt_id": prompt["id"],
+        "domain": prompt["domain"], "dtype": dtype, "attn": attn, "reference_attn": reference_attn, "cycle": cycle, "k": k, "max_new_tokens": max_new_tokens,
         "prompt_tokens": len(prompt_ids),
         "ar_ids": a, "orthrus_ids": o, "exact_match": a == o, "first_divergence": div,
         "levenshtein": levenshtein(a, o),
@@ -330,17 +339,18 @@ def audit_prompt(models: dict, prompt: dict, dtype: str, attn: str, cfg: AuditCo
     model = models[(dtype, attn)]
     ids = encode_prompt(model.tokenizer, prompt["prompt"])
     dcfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens, k=cfg.k, record_margins=True)
-    orth = decode(model, ids, "orthrus", dcfg)
+    orth = decode(model, ids, "orthrus", dataclasses.replace(dcfg, cycle=cfg.cycle, groups=cfg.groups))
     k = model.k if cfg.k is None else cfg.k
     records = []
     for ref_attn in reference_kernels(attn):
-        earlier = (known or {}).get(f"{prompt['id']}|{dtype}|{ref_attn}") if ref_attn != attn else None
+        earlier = (known or {}).get(record_key(prompt["id"], dtype, ref_attn, cycle=cfg.cycle)) \
+            if ref_attn != attn else None
         if earlier is not None:
             ref = Reference.from_record(earlier)
         else:
             ref = compute_reference(models[(dtype, ref_attn)], ids, dcfg)
         records.append(pair_record(prompt, ids, dtype, attn, ref_attn, k, cfg.max_new_tokens, ref, orth,
-                                   machine=machine, head=cfg.head_digest))
+                                   machine=machine, head=cfg.head_digest, cycle=cfg.cycle))
     return records
 
 
@@ -397,7 +407,7 @@ def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, comma
     known = _reusable(existing, machine)
     del existing
     mine = [w for j, w in enumerate(work) if j % shard_t[1] == shard_t[0]]
-    todo = [w for w in mine if f"{w[0]['id']}|{w[1]}|{w[2]}" not in done]  # an item's first record key
+    todo = [w for w in mine if record_key(w[0]["id"], w[1], w[2], cycle=cfg.cycle) not in done]  # an item's first key
     bar = tqdm(total=len(mine), initial=len(mine) - len(todo), desc="audit pairs", unit="item", disable=not progress)
     n_new = 0
     last_roll = time.monotonic()
@@ -405,7 +415,7 @@ def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, comma
         for prompt, dtype, attn in todo:
             for kernel in reference_kernels(attn):
                 if (dtype, kernel) not in models:
-                    if kernel != attn and f"{prompt['id']}|{dtype}|{kernel}" in known:
+                    if kernel != attn and record_key(prompt["id"], dtype, kernel, cycle=cfg.cycle) in known:
                         continue  # this reference comes from an earlier record
                     models[(dtype, kernel)] = load(dtype, kernel)
             if (dtype, attn) not in models:

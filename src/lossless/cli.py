@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .errors import LosslessError
-from .names import ATTN_KERNELS, DTYPE_NAMES, MODES
+from .names import ATTN_KERNELS, CYCLES, DTYPE_NAMES, MODES, check_cycle
 
 
 def _add_model_args(p: argparse.ArgumentParser, dtype: str = "fp32", *, head: bool = True, attn: bool = True,
@@ -38,6 +38,21 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str = "fp32", *, head: bo
                        + " (exact: batch-invariant kernels, Orthrus equals AR bit for bit)")
 
 
+def _add_cycle_args(p: argparse.ArgumentParser) -> None:
+    """--cycle and --groups: how orthrus spends its forwards."""
+    p.add_argument("--cycle", default="two-pass", choices=CYCLES,
+                   help="orthrus cycle: two-pass (draft, then verify: two forwards, the authors' Orthrus) or fused "
+                        "(one forward verifies a block and drafts the next)")
+    p.add_argument("--groups", type=int, default=None,
+                   help="fused: draft groups per forward, for acceptance counts 0..groups-1 (default: all)")
+
+
+def _check_cycle_args(args) -> None:
+    check_cycle(args.cycle)
+    if args.groups is not None and args.groups < 1:
+        raise LosslessError(f"--groups must be >= 1, got {args.groups}")
+
+
 def cmd_generate(args) -> int:
     from .models import load_model
     from .sampling import SamplingConfig
@@ -49,17 +64,20 @@ def cmd_generate(args) -> int:
         raise LosslessError("--max-new-tokens must be >= 1")
     if args.k is not None and args.k < 1:
         raise LosslessError(f"--k must be >= 1, got {args.k}")
+    _check_cycle_args(args)
     SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     model = load_model(args.model, args.dtype, args.device, args.attn, head=args.head)
     stream = (lambda s: (sys.stdout.write(s), sys.stdout.flush())) if not args.json else None
     out = model.generate(args.prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, k=args.k,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                         chat_template=not args.no_chat_template, on_text=stream)
+                         chat_template=not args.no_chat_template, cycle=args.cycle, groups=args.groups,
+                         on_text=stream)
     if args.json:
         print(json.dumps(out.to_dict(), ensure_ascii=False))
     else:
         s = out.stats
-        print(f"\n[{args.mode} {model.dtype_name} | {s['new_tokens']} tokens, {s['steps']} steps, "
+        label = args.mode if args.mode == "ar" or args.cycle == "two-pass" else f"{args.mode} {args.cycle}"
+        print(f"\n[{label} {model.dtype_name} | {s['new_tokens']} tokens, {s['steps']} steps, "
               f"{s['forwards']} forwards, {s['tokens_per_step']:.2f} tokens/step, "
               f"{s['tokens_per_second']:.1f} tokens/s, finish={out.finish_reason}]", file=sys.stderr)
     return 0
@@ -141,9 +159,11 @@ def cmd_audit(args) -> int:
         attns = list(dict.fromkeys(a for _, a, _ in plan))
     if args.shard:
         audit.parse_shard(args.shard)
+    _check_cycle_args(args)
     cfg = audit.AuditConfig(model=args.model, head=args.head, suite=str(args.suite or paths.DEFAULT_SUITE),
                             dtypes=dtypes, attns=attns, max_new_tokens=args.max_new_tokens, k=args.k,
-                            limit_per_domain=args.limit_per_domain, device=args.device, configs=configs)
+                            limit_per_domain=args.limit_per_domain, device=args.device, configs=configs,
+                            cycle=args.cycle, groups=args.groups)
     result = audit.run_audit(cfg, args.out, shard=args.shard, command=["lossless", *args.argv],
                              progress=not args.no_progress)
     print(json.dumps(result))
@@ -189,11 +209,12 @@ def cmd_eval(args) -> int:
     from .names import check_attn
 
     check_attn(args.attn)
+    _check_cycle_args(args)
     tasks = resolve_tasks(args.tasks)
     modes = parse_modes(args.modes)
     dtypes = parse_dtype_list(args.dtypes)
     summary = run_eval(args.model, tasks, modes, dtypes, args.out, attn=args.attn, head=args.head, k=args.k,
-                       limit=args.limit, confirm_unsafe=args.confirm_run_unsafe_code, device=args.device,
+                       cycle=args.cycle, groups=args.groups, limit=args.limit, confirm_unsafe=args.confirm_run_unsafe_code, device=args.device,
                        progress=not args.no_progress, command=["lossless", *args.argv])
     print(render_table(summary))
     print(f"wrote {Path(args.out) / 'summary.json'} and {Path(args.out) / 'report.md'}")
@@ -216,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", default="orthrus", choices=MODES, help="orthrus (draft + verify) or ar (one token per forward)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many generated tokens")
     g.add_argument("--k", type=int, default=None, help="block size (default: the head's k)")
+    _add_cycle_args(g)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = no filter)")
     g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set with this mass (1 = no filter)")
@@ -257,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "run in this order, e.g. bf16/sdpa,fp32/sdpa,fp16/sdpa:20")
     a.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     a.add_argument("--k", type=int, default=None, help="block size (default: the head's k)")
+    _add_cycle_args(a)
     a.add_argument("--limit-per-domain", type=int, default=None, help="first N prompts of each domain")
     a.add_argument("--shard", default=None,
                    help="i/n: run every n-th item starting at i (default: the process's rank under accelerate "
@@ -285,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tasks", default="humaneval,arith,capitals", help="comma-separated: humaneval, arith, capitals")
     e.add_argument("--modes", default="ar,orthrus", help=f"comma-separated decoding modes: {', '.join(MODES)}")
     e.add_argument("--k", type=int, default=None, help="block size (default: the head's k)")
+    _add_cycle_args(e)
     e.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
     e.add_argument("--confirm-run-unsafe-code", action="store_true",
                    help="allow tasks that execute model-written code (humaneval)")

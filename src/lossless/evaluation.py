@@ -49,12 +49,18 @@ def _metric(result: dict) -> tuple[str, float, float | None]:
     raise LosslessError(f"no metric in harness results: {sorted(result)}")
 
 
+def mode_label(mode: str, cycle: str = "two-pass") -> str:
+    """How a run is named in directories and summaries: `ar`, `orthrus` (two-pass) or `orthrus-fused`."""
+    return mode if mode == "ar" or cycle == "two-pass" else f"{mode}-{cycle}"
+
+
 def run_dir_name(mode: str, dtype: str) -> str:
     return f"{mode}_{dtype}"
 
 
 def run_eval(model: str, tasks: list[str], modes: list[str], dtypes: list[str], out: str | Path, *,
-             attn: str = "sdpa", head: str | None = None, k: int | None = None, limit: int | None = None,
+             attn: str = "sdpa", head: str | None = None, k: int | None = None, cycle: str = "two-pass",
+             groups: int | None = None, limit: int | None = None,
              confirm_unsafe: bool = False, device: str = "cpu", progress: bool = True,
              command: list[str] | None = None) -> dict:
     """Run every (dtype, task, mode) through the harness, then summarise the whole directory."""
@@ -85,22 +91,24 @@ def run_eval(model: str, tasks: list[str], modes: list[str], dtypes: list[str], 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     manager = TaskManager(include_path=str(task_dir))
     for dtype in dtypes:
-        lm = LosslessLM(model=model, mode=modes[0], dtype=dtype, attn=attn, head=head, k=k, device=device,
-                        progress=progress)
+        lm = LosslessLM(model=model, mode=modes[0], dtype=dtype, attn=attn, head=head, k=k, cycle=cycle,
+                        groups=groups, device=device, progress=progress)
         for task in tasks:
             for mode in modes:
                 lm.mode = mode
-                run = out / "harness" / run_dir_name(mode, dtype)
+                label = mode_label(mode, cycle)
+                run = out / "harness" / run_dir_name(label, dtype)
                 run.mkdir(parents=True, exist_ok=True)
                 res = lm_eval.simple_evaluate(
                     model=lm, tasks=[task], task_manager=manager, limit=limit, log_samples=True,
                     confirm_run_unsafe_code=confirm_unsafe, apply_chat_template=task in CHAT_TASKS,
-                    use_cache=str(out / "cache" / f"{short_name(task)}_{mode}_{dtype}"),
+                    use_cache=str(out / "cache" / f"{short_name(task)}_{label}_{dtype}"),
                     bootstrap_iters=1000, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
                 samples = res.pop("samples", {}).get(task, [])
                 atomic_write(run / f"samples_{short_name(task)}.jsonl",
                              jsonl_text(samples, default=handle_non_serializable, ensure_ascii=False))
-                res["lossless"] = {"model": model, "mode": mode, "dtype": dtype, "attn": attn, "limit": limit,
+                res["lossless"] = {"model": model, "mode": label, "cycle": cycle, "dtype": dtype, "attn": attn,
+                                   "limit": limit,
                                    "k": k or lm.lm.k, "chat_template": task in CHAT_TASKS, "command": cmd}
                 atomic_write(run / f"results_{short_name(task)}.json",
                               json.dumps(res, default=handle_non_serializable, indent=1))
@@ -144,10 +152,10 @@ def summarise(out: str | Path) -> dict:
         rows.append({"task": task, "mode": info.get("mode"), "dtype": info.get("dtype"), "attn": info.get("attn"),
                      "metric": metric, "score": score, "stderr": stderr, "n": len(samples)})
     paired = []
-    for (task, mode, dtype), (_, ar_samples) in sorted(runs.items()):
-        if mode != "ar" or (task, "orthrus", dtype) not in runs:
+    for (task, mode, dtype), (_, or_samples) in sorted(runs.items()):
+        if mode == "ar" or (task, "ar", dtype) not in runs:
             continue
-        _, or_samples = runs[(task, "orthrus", dtype)]
+        _, ar_samples = runs[(task, "ar", dtype)]
         metric = next(r["metric"] for r in rows if r["task"] == task and r["dtype"] == dtype)
         ids = sorted(set(ar_samples) & set(or_samples))
         if not ids:
@@ -157,7 +165,7 @@ def summarise(out: str | Path) -> dict:
         boot = paired_bootstrap(a, b, n_boot=5000, seed=0)
         differ = sum(_response(ar_samples[i]) != _response(or_samples[i]) for i in ids)
         changed = sum(x != y for x, y in zip(a, b))
-        paired.append({"task": task, "dtype": dtype, "metric": metric, "n": len(ids),
+        paired.append({"task": task, "dtype": dtype, "mode": mode, "metric": metric, "n": len(ids),
                        "ar": sum(a) / len(a), "orthrus": sum(b) / len(b), "diff": boot["diff"],
                        "ci95": boot["ci95"], "generations_differ": differ, "score_changed": changed,
                        # when no item changes, the bootstrap interval collapses to [0, 0]; this one does not:
@@ -212,7 +220,8 @@ def render_table(summary: dict) -> str:
               "|---|---|---|---:|---:|---:|---|---:|---:|"]
     for p in summary["paired"]:
         lo, hi = p["ci95"]
-        lines.append(f"| {p['task']} | {p['dtype']} | {p['metric']} | {p['n']} | {p['ar']:.3f} | {p['orthrus']:.3f} "
+        cycle = "" if p.get("mode", "orthrus") == "orthrus" else f" ({p['mode']})"
+        lines.append(f"| {p['task']}{cycle} | {p['dtype']} | {p['metric']} | {p['n']} | {p['ar']:.3f} | {p['orthrus']:.3f} "
                      f"| {p['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {p['generations_differ']} "
                      f"| {p['score_changed']} [{p['score_changed_ci95'][0]:.1%}, {p['score_changed_ci95'][1]:.1%}] |")
     lines += ["", "The difference's interval is a paired bootstrap over items (5,000 resamples); it collapses to",

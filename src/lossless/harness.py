@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from .decoding import DecodeConfig, decode
 from .errors import LosslessError
-from .names import check_mode
+from .names import check_cycle, check_mode
 from .sampling import SamplingConfig
 from .text import StreamDecoder
 
@@ -50,17 +50,20 @@ class LosslessLM(TemplateLM):
     """An Orthrus model for the harness. Model arguments:
 
     model (smollm2-135m | dir | hub id), mode (ar | orthrus), dtype (fp32 | bf16 | fp16),
-    attn (sdpa | eager | exact), head (path | none), k, device, max_gen_toks (default 256),
+    attn (sdpa | eager | exact), head (path | none), k, cycle (two-pass | fused), groups, device,
+    max_gen_toks (default 256),
     max_length (context window for log-likelihoods), seed (for sampled generation).
     """
 
     def __init__(self, model: str = "smollm2-135m", mode: str = "orthrus", dtype: str = "bf16", attn: str = "sdpa",
-                 head: str | None = None, k: int | None = None, device: str = "cpu", max_gen_toks: int = 256,
-                 max_length: int | None = None, seed: int = 0, progress=True, batch_size=1, **kwargs):
+                 head: str | None = None, k: int | None = None, cycle: str = "two-pass", groups: int | None = None,
+                 device: str = "cpu", max_gen_toks: int = 256, max_length: int | None = None, seed: int = 0,
+                 progress=True, batch_size=1, **kwargs):
         super().__init__()
         from .models import load_model
 
         check_mode(mode)
+        check_cycle(cycle)
         try:
             bs = int(str(batch_size).split(":")[0]) if str(batch_size) != "auto" else 1
         except ValueError:
@@ -82,6 +85,7 @@ class LosslessLM(TemplateLM):
         self.model_name = str(model)
         self.mode = mode
         self.k = int(k) if k else None
+        self.cycle, self.groups = cycle, int(groups) if groups else None
         self.max_gen_toks = int(max_gen_toks)
         self._max_length = int(max_length) if max_length else min(self.lm.max_positions, 4096)
         self.seed = int(seed)
@@ -120,7 +124,7 @@ class LosslessLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         return {"lossless_model": self.model_name, "mode": self.mode, "dtype": self.lm.dtype_name,
-                "attn": getattr(self.lm, "attn", None), "k": self.k or self.lm.k}
+                "attn": getattr(self.lm, "attn", None), "k": self.k or self.lm.k, "cycle": self.cycle}
 
     # ------------------------------------------------------------------------------ log-likelihoods
     @torch.no_grad()
@@ -174,7 +178,8 @@ class LosslessLM(TemplateLM):
         room = self.lm.max_positions - max_new - (self.k or self.lm.k) - 1
         if len(prompt_ids) > room:
             prompt_ids = prompt_ids[-room:]  # keep the end of an over-long context, as the harness's HF model does
-        cfg = DecodeConfig(max_new_tokens=max_new, k=self.k, sampling=self._sampling(gen_kwargs))
+        cfg = DecodeConfig(max_new_tokens=max_new, k=self.k, cycle=self.cycle, groups=self.groups,
+                           sampling=self._sampling(gen_kwargs))
         stream = StreamDecoder(self.tokenizer)
         text_parts: list[str] = []
 

@@ -73,14 +73,16 @@ def _ppl(log_ppl: float) -> float:
     return math.exp(min(float(log_ppl), 700.0))  # a runaway NLL must not crash the report
 
 
-def _config(r: dict) -> tuple[str, str, str]:
+def _config(r: dict) -> tuple[str, str, str, str]:
     attn = str(r.get("attn", "?"))
-    return (str(r.get("dtype", "?")), attn, str(r.get("reference_attn") or attn))
+    return (str(r.get("dtype", "?")), attn, str(r.get("reference_attn") or attn), str(r.get("cycle") or "two-pass"))
 
 
-def config_label(dtype: str, attn: str, reference_attn: str) -> str:
-    """`bf16/sdpa`, or `bf16/<orthrus kernel> vs AR-<reference kernel>` when the two kernels differ."""
-    return f"{dtype}/{attn}" if reference_attn == attn else f"{dtype}/{attn} vs AR-{reference_attn}"
+def config_label(dtype: str, attn: str, reference_attn: str, cycle: str = "two-pass") -> str:
+    """`bf16/sdpa`, or `bf16/<orthrus kernel> vs AR-<reference kernel>` when the two kernels differ; a
+    cycle other than two-pass is appended (`bf16/sdpa fused`)."""
+    label = f"{dtype}/{attn}" if reference_attn == attn else f"{dtype}/{attn} vs AR-{reference_attn}"
+    return label if cycle == "two-pass" else f"{label} {cycle}"
 
 
 def _rate(recs: list[dict]) -> tuple[float | None, list[float]]:
@@ -121,15 +123,15 @@ def summarize(records: list[dict], run_info: dict) -> dict:
     """The summary.json object (see `write_report`)."""
     groups = _group(records)
     configs, domains, regression, ppl = [], {}, {}, {}
-    for (dtype, attn, ref), recs in groups.items():
-        label = config_label(dtype, attn, ref)
+    for (dtype, attn, ref, cycle), recs in groups.items():
+        label = config_label(dtype, attn, ref, cycle)
         rate, ci = _rate(recs)
         configs.append({"label": label, "dtype": dtype, "attn": attn, "reference_attn": ref, "n": len(recs),
                         "exact_match_rate": rate, "ci95": ci,
                         "mean_tokens_per_step": _mean(r.get("tokens_per_step") for r in recs),
                         "mean_first_divergence": _diverging_first(recs),
                         "mean_levenshtein": _mean(r.get("levenshtein") for r in recs),
-                        "cycle": str(recs[0].get("cycle", "two-pass")),
+                        "cycle": cycle,
                         "mean_seconds_per_pair": _mean(_pair_seconds(r) for r in recs),
                         "compute_hours": sum(_pair_seconds(r) for r in recs) / 3600})
         by_domain: dict[str, list[dict]] = defaultdict(list)
@@ -352,10 +354,10 @@ def _plot_ppl_bins(summary, groups, out: Path, max_bins: int = 5):
     import numpy as np
 
     series = []
-    for (dtype, attn, ref), recs in groups.items():
+    for (dtype, attn, ref, cycle), recs in groups.items():
         pts = [(float(r["ref_log_ppl"]), _match(r)) for r in recs if r.get("ref_log_ppl") is not None]
         if pts:
-            series.append((config_label(dtype, attn, ref), pts))
+            series.append((config_label(dtype, attn, ref, cycle), pts))
     if not series:
         return None
     fig, ax = _new_figure()
@@ -387,11 +389,11 @@ def _plot_margins(summary, groups, out: Path):
     import numpy as np
 
     series = []
-    for (dtype, attn, ref), recs in groups.items():
+    for (dtype, attn, ref, cycle), recs in groups.items():
         m = [float(r["ref_margin_at_divergence"]) for r in recs
              if not _match(r) and r.get("ref_margin_at_divergence") is not None]
         if m:
-            series.append((config_label(dtype, attn, ref), np.array(m)))
+            series.append((config_label(dtype, attn, ref, cycle), np.array(m)))
     if not series:
         return None
     allm = np.concatenate([m for _, m in series])
@@ -424,10 +426,10 @@ def _plot_first_divergence(summary, groups, out: Path):
     import numpy as np
 
     series = []
-    for (dtype, attn, ref), recs in groups.items():
+    for (dtype, attn, ref, cycle), recs in groups.items():
         fd = [int(r["first_divergence"]) for r in recs if not _match(r) and r.get("first_divergence") is not None]
         if fd:
-            series.append((config_label(dtype, attn, ref), fd))
+            series.append((config_label(dtype, attn, ref, cycle), fd))
     if not series:
         return None
     top = max(max(fd) for _, fd in series)
