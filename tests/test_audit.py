@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -340,3 +341,36 @@ def test_a_fused_audit_records_its_cycle_beside_two_pass_records(tmp_path):
     assert summary["configs"][0]["cycle"] == "fused"
     with pytest.raises(LosslessError, match="cycle"):  # one run directory, one cycle
         run_audit(config(suite, dtypes=["fp32"]), fused, load=tiny_loader, progress=False)
+
+
+def test_sigterm_stops_a_run_cleanly_with_its_records_compressed(tmp_path):
+    """`kill` (SIGTERM) mid-run: the finished items are rolled into a segment, none is lost or torn."""
+    import signal
+    import threading
+
+    suite = write_suite(tmp_path / "s.jsonl", per_domain=4)
+    out = tmp_path / "run"
+    calls = []
+    before = signal.getsignal(signal.SIGTERM)
+
+    def slow_loader(dtype, attn):
+        model = tiny_loader(dtype, attn)
+        real = model.prefill
+
+        def prefill(ids):
+            calls.append(1)
+            if len(calls) == 5:  # a few items in: the process is told to stop
+                threading.Timer(0.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+                time.sleep(0.5)
+            return real(ids)
+
+        model.prefill = prefill
+        return model
+
+    with pytest.raises(KeyboardInterrupt):
+        run_audit(config(suite, dtypes=["fp32"]), out, load=slow_loader, progress=False)
+    assert plain_file(out).read_text() == "" and len(segments(out)) == 1
+    done = len(read_records(out))
+    assert 0 < done < 12
+    assert run_audit(config(suite, dtypes=["fp32"]), out, load=tiny_loader, progress=False)["new_records"] == 12 - done
+    assert signal.getsignal(signal.SIGTERM) is before  # the run's handler is gone again

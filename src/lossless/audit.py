@@ -28,7 +28,9 @@ import json
 import math
 import os
 import platform
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -411,6 +413,7 @@ def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, comma
     bar = tqdm(total=len(mine), initial=len(mine) - len(todo), desc="audit pairs", unit="item", disable=not progress)
     n_new = 0
     last_roll = time.monotonic()
+    restore = _stop_cleanly_on_sigterm()
     try:
         for prompt, dtype, attn in todo:
             for kernel in reference_kernels(attn):
@@ -433,8 +436,22 @@ def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, comma
     finally:
         store.roll()
         bar.close()
+        restore()
     return {"run_dir": str(run_dir), "records_dir": str(store.dir), "writer": store.writer, "new_records": n_new,
             "shard_items": len(mine), "planned_records": planned}
+
+
+def _stop_cleanly_on_sigterm():
+    """Make SIGTERM (what `kill`, schedulers and session ends send) stop the run like Ctrl-C: the item in
+    flight is dropped and the records are rolled into a segment. Returns a function restoring the old handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def locate_head(model: str, head: str | None, digest: str) -> str | Path | None:
