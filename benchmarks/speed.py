@@ -28,7 +28,7 @@ from lossless.errors import LosslessError
 from lossless.text import encode_prompt
 
 METHODS = ("hf_generate", "ar", "prompt_lookup", "orthrus", "orthrus_fused")
-FUSED_DEFAULT = "4:2"  # block size k : draft groups per forward (acceptance counts 0..groups-1); see README
+FUSED_DEFAULT = "3"  # block size k[:draft groups per forward]; "3" = the library's default (k=3, every group)
 
 
 class ForwardCounter:
@@ -116,7 +116,9 @@ def main(argv=None) -> int:
     variants = {m: (model, m, None) for m in methods}
     if "orthrus_fused" in methods:
         for j, setting in enumerate(fused):
-            variants["orthrus_fused" if j == 0 else f"orthrus_fused[{setting[0]}:{setting[1]}]"] = (model, "orthrus_fused", setting)
+            k, groups = setting
+            name = "orthrus_fused" if j == 0 else f"orthrus_fused[{k}{f':{groups}' if groups else ''}]"
+            variants[name] = (model, "orthrus_fused", setting)
     for a, extra_model in extra.items():
         for m in ("ar", "orthrus"):
             variants[f"{m}@{a}"] = (extra_model, m, None)
