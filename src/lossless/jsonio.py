@@ -44,10 +44,14 @@ def jsonl_text(rows: Iterable[dict], **dumps_kwargs) -> str:
     return "".join(json.dumps(r, **dumps_kwargs) + "\n" for r in rows)
 
 
-def atomic_write(path: str | Path, text: str) -> Path:
-    """Write `text` to `path` through a temporary file in the same directory and an atomic rename."""
+def atomic_write(path: str | Path, data: str | bytes) -> Path:
+    """Write `data` (text as UTF-8, or bytes) to `path` through a temporary file in the same directory,
+    flushed to disk, and an atomic rename: a reader sees the old file or the new one, never a torn one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
+    with tmp.open("wb") as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
     return path

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from .jsonio import atomic_write
+
 RECORDS_DIR = "records"
 _LEGACY = re.compile(r"records(\.shard-(\d+)-of-(\d+))?\.jsonl$")
 
@@ -122,7 +124,7 @@ class RecordStore:
                 if (r := _parse(ln)) is not None and r["key"] not in rolled]
         new = "".join(kept).encode("utf-8")
         if new != self.plain.read_bytes():
-            _atomic_write(self.plain, new)
+            atomic_write(self.plain, new)
 
     def segments(self) -> list[Path]:
         return sorted(self.dir.glob(f"{self.writer}.*.jsonl.gz"))
@@ -154,16 +156,7 @@ class RecordStore:
             seg = self.dir / f"{self.writer}.{stamp}-{n}.jsonl.gz"
         # mtime=0: the same records always compress to the same bytes
         payload = gzip.compress("".join(lines).encode("utf-8"), compresslevel=9, mtime=0)
-        _atomic_write(seg, payload)
+        atomic_write(seg, payload)
         # only now forget them; a kill before this line leaves duplicates that readers drop
-        _atomic_write(self.plain, b"")
+        atomic_write(self.plain, b"")
         return seg
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -119,7 +119,7 @@ def _finite(obj):
     return obj
 
 
-def summarize(records: list[dict], run_info: dict) -> dict:
+def summarise(records: list[dict], run_info: dict) -> dict:
     """The summary.json object (see `write_report`)."""
     groups = _group(records)
     configs, domains, regression, ppl = [], {}, {}, {}
@@ -492,7 +492,7 @@ def write_report(run_dir, out_dir=None, at_rest: bool = False) -> dict:
         raise LosslessError(f"no records in {run_dir}: expected records*.jsonl written by `lossless audit`")
     out = Path(out_dir) if out_dir is not None else run_dir
     out.mkdir(parents=True, exist_ok=True)
-    summary = summarize(records, run_info)
+    summary = summarise(records, run_info)
     groups = _group(records)
     plots = [p for p in (draw(summary, groups, out) for draw in _PLOTS) if p is not None]
     summary["plots"] = [name for name, _ in plots]
