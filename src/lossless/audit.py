@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .decoding import DecodeConfig, decode
+from .decoding import DecodeConfig, block_size, decode
 from .dtypes import dtype_name
 from .errors import LosslessError
 from .model import OrthrusLM
@@ -342,7 +342,7 @@ def audit_prompt(models: dict, prompt: dict, dtype: str, attn: str, cfg: AuditCo
     ids = encode_prompt(model.tokenizer, prompt["prompt"])
     dcfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens, k=cfg.k, record_margins=True)
     orth = decode(model, ids, "orthrus", dataclasses.replace(dcfg, cycle=cfg.cycle, groups=cfg.groups))
-    k = model.k if cfg.k is None else cfg.k
+    k = block_size(model.k, dataclasses.replace(dcfg, cycle=cfg.cycle))
     records = []
     for ref_attn in reference_kernels(attn):
         earlier = (known or {}).get(record_key(prompt["id"], dtype, ref_attn, cycle=cfg.cycle)) \

@@ -162,17 +162,29 @@ def top2_margins(logits: torch.Tensor) -> list[float]:
     return (top[..., 0] - top[..., 1]).reshape(-1).tolist()
 
 
-def model_drafter(model, state, k, sampling, generator):
-    """The draft view: one forward over [last token, MASK x (k-1)]."""
-    logits = model.draft(state.cache, state.tokens[-1], k)  # [k-1, V]
-    state.stats.forwards += 1
+def propose(logits: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[list[int], torch.Tensor | None]:
+    """Draft ids from draft logits [m, V]: the argmax (greedy), or samples with their distributions q [m, V]."""
     if sampling.greedy:
         return argmax(logits).tolist(), None
     q = sampling.probs(logits)
     return [sample(q[j], generator) for j in range(q.shape[0])], q
 
 
+def model_drafter(model, state, k, sampling, generator):
+    """The draft view: one forward over [last token, MASK x (k-1)]."""
+    logits = model.draft(state.cache, state.tokens[-1], k)  # [k-1, V]
+    state.stats.forwards += 1
+    return propose(logits, sampling, generator)
+
+
 # ------------------------------------------------------------------------------------------ shared phases
+def block_size(head_k: int, cfg: DecodeConfig) -> int:
+    """The block size a request decodes with: `cfg.k`, else the head's k (two-pass) or FUSED_K (fused)."""
+    if cfg.k is not None:
+        return int(cfg.k)
+    return min(FUSED_K, head_k) if cfg.cycle == "fused" else head_k
+
+
 def validate(model: DecodingModel, prompt_ids: list[int], cfg: DecodeConfig, mode: str) -> int:
     """Check the request; return the block size k to use."""
     check_mode(mode)
@@ -188,10 +200,7 @@ def validate(model: DecodingModel, prompt_ids: list[int], cfg: DecodeConfig, mod
     check_cycle(cfg.cycle)
     if cfg.groups is not None and cfg.groups < 1:
         raise LosslessError(f"--groups must be >= 1, got {cfg.groups}")
-    if cfg.k is not None:
-        k = int(cfg.k)
-    else:
-        k = min(FUSED_K, model.k) if cfg.cycle == "fused" else model.k
+    k = block_size(model.k, cfg)
     if not 1 <= k <= model.k:
         raise LosslessError(f"--k must be between 1 and the head's k ({model.k}), got {k}")
     return k
@@ -266,6 +275,18 @@ def accept_sampling(drafts: list[int], q: torch.Tensor, p: torch.Tensor, generat
     return len(drafts), sample(p[len(drafts)], generator)
 
 
+def accept(state: DecodeState, drafts: list[int], q: torch.Tensor | None, logits: torch.Tensor,
+           cfg: DecodeConfig, generator) -> tuple[int, int]:
+    """Phase 3 of both Orthrus cycles: the longest agreeing prefix (greedy) or rejection sampling against the
+    drafts' q, plus one AR token; logits [len(drafts) + 1, V] are the verify rows. Records the count."""
+    if cfg.sampling.greedy:
+        n_accepted, bonus_token = accept_greedy(drafts, logits)
+    else:
+        n_accepted, bonus_token = accept_sampling(drafts, q, cfg.sampling.probs(logits), generator)
+    state.stats.accepted.append(n_accepted)
+    return n_accepted, bonus_token
+
+
 def orthrus_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, generator,
                   drafter: Drafter = model_drafter) -> list[int]:
     """One Orthrus cycle: draft -> verify -> accept -> commit."""
@@ -276,16 +297,12 @@ def orthrus_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k
     logits = model.verify(state.cache, [state.tokens[-1], *drafts])  # [k, V]
     state.stats.forwards += 1
     # 3. accept: longest agreeing prefix (greedy) or rejection sampling, plus one AR token
-    if cfg.sampling.greedy:
-        n_accepted, bonus_token = accept_greedy(drafts, logits)
-    else:
-        n_accepted, bonus_token = accept_sampling(drafts, q, cfg.sampling.probs(logits), generator)
-    state.stats.accepted.append(n_accepted)
+    n_accepted, bonus_token = accept(state, drafts, q, logits, cfg, generator)
     # 4. commit: accepted drafts + the AR token; crop the cache back to the committed length
     return commit(state, [*drafts[:n_accepted], bonus_token], cfg, logits[: n_accepted + 1])
 
 
-def fused_cycle(model: OrthrusLM, state: DecodeState, cfg: DecodeConfig, k: int, generator,
+def fused_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, generator,
                 drafter: Drafter | None = None) -> list[int]:
     """One fused cycle: verify [last token, pending drafts] and draft every possible next block in one
     forward -> accept -> commit -> keep the drafts of the group anchored where acceptance stopped.
@@ -302,11 +319,7 @@ def fused_cycle(model: OrthrusLM, state: DecodeState, cfg: DecodeConfig, k: int,
     logits, groups = model.verify_and_draft(state.cache, block, list(range(n_groups)), k - 1)  # [len(block), V]
     state.stats.forwards += 1
     # 2. accept: longest agreeing prefix (greedy) or rejection sampling against the drafts' q, plus one AR token
-    if cfg.sampling.greedy:
-        n_accepted, bonus_token = accept_greedy(drafts, logits)
-    else:
-        n_accepted, bonus_token = accept_sampling(drafts, q, cfg.sampling.probs(logits), generator)
-    state.stats.accepted.append(n_accepted)
+    n_accepted, bonus_token = accept(state, drafts, q, logits, cfg, generator)
     # 3. commit: accepted drafts + the AR token; the cache is cropped back to the committed length
     kept = commit(state, [*drafts[:n_accepted], bonus_token], cfg, logits[: n_accepted + 1])
     # 4. the next block's drafts: group n_accepted's mask rows (or a test's drafter), cut to what is left
@@ -317,11 +330,7 @@ def fused_cycle(model: OrthrusLM, state: DecodeState, cfg: DecodeConfig, k: int,
             state.drafts, state.draft_q = drafter(model, state, k_next, cfg.sampling, generator)
         elif n_accepted < n_groups:
             draft_logits = model.draft_logits(groups[n_accepted, : k_next - 1])  # [k_next - 1, V]
-            if cfg.sampling.greedy:
-                state.drafts = argmax(draft_logits).tolist()
-            else:
-                state.draft_q = cfg.sampling.probs(draft_logits)
-                state.drafts = [sample(state.draft_q[j], generator) for j in range(state.draft_q.shape[0])]
+            state.drafts, state.draft_q = propose(draft_logits, cfg.sampling, generator)
     return kept
 
 
