@@ -16,6 +16,7 @@ from lm_eval.api.instance import Instance  # the harness is part of the test ext
 from lossless.cli import main
 from lossless.decoding import DecodeConfig, decode
 from lossless.errors import LosslessError
+from lossless.evalreport import render_table, summarise
 from lossless.evaltasks import (
     arith_items,
     arith_results,
@@ -204,6 +205,25 @@ def test_lossless_eval_runs_a_local_task_end_to_end(model_dir, tmp_path, capsys)
     assert (out / "scores.png").stat().st_size > 1000
     assert summary["commands"] == [f"lossless eval --model {model_dir} --tasks arith,capitals --modes ar,orthrus "
                                    f"--dtypes fp32 --k 4 --limit 2 --out {out} --no-progress"]
+
+
+def test_summarise_needs_only_the_harness_files(tmp_path):
+    for mode, scores in (("ar", [1, 0, 0, 1]), ("orthrus", [1, 1, 0, 1])):
+        run = tmp_path / "harness" / f"{mode}_bf16"
+        run.mkdir(parents=True)
+        res = {"results": {"lossless_arith": {"exact_match,none": sum(scores) / 4, "exact_match_stderr,none": 0.25}},
+               "lossless": {"mode": mode, "dtype": "bf16", "attn": "sdpa", "command": f"lossless eval --modes {mode}"}}
+        (run / "results_arith.json").write_text(json.dumps(res))
+        (run / "samples_arith.jsonl").write_text("".join(
+            json.dumps({"doc_id": i, "exact_match": float(x), "resps": [[f" {x}"]]}) + "\n" for i, x in enumerate(scores)))
+    summary = summarise(tmp_path)
+    (p,) = summary["paired"]
+    assert (p["task"], p["n"], p["ar"], p["orthrus"]) == ("arith", 4, 0.5, 0.75)
+    assert p["generations_differ"] == 1 and p["score_changed"] == 1 and p["diff"] == 0.25
+    assert summary["commands"] == ["lossless eval --modes ar", "lossless eval --modes orthrus"]
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    assert (tmp_path / "report.md").read_text().startswith(render_table(summary))
+    assert (tmp_path / "scores.png").exists()
 
 
 def test_lm_eval_cli_finds_the_registered_model(model_dir, tmp_path):

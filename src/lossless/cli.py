@@ -204,18 +204,18 @@ def cmd_probe(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from .evaluation import parse_dtype_list, parse_modes, render_table, run_eval
+    from .evalreport import render_table
     from .evaltasks import resolve_tasks
+    from .evaluation import EvalConfig, parse_dtype_list, parse_modes, run_eval
     from .names import check_attn
 
     check_attn(args.attn)
     _check_cycle_args(args)
-    tasks = resolve_tasks(args.tasks)
-    modes = parse_modes(args.modes)
-    dtypes = parse_dtype_list(args.dtypes)
-    summary = run_eval(args.model, tasks, modes, dtypes, args.out, attn=args.attn, head=args.head, k=args.k,
-                       cycle=args.cycle, groups=args.groups, limit=args.limit, confirm_unsafe=args.confirm_run_unsafe_code, device=args.device,
-                       progress=not args.no_progress, command=["lossless", *args.argv])
+    cfg = EvalConfig(model=args.model, tasks=resolve_tasks(args.tasks), modes=parse_modes(args.modes),
+                     dtypes=parse_dtype_list(args.dtypes), attn=args.attn, head=args.head, k=args.k,
+                     cycle=args.cycle, groups=args.groups, limit=args.limit,
+                     confirm_unsafe=args.confirm_run_unsafe_code, device=args.device)
+    summary = run_eval(cfg, args.out, command=["lossless", *args.argv], progress=not args.no_progress)
     print(render_table(summary))
     print(f"wrote {Path(args.out) / 'summary.json'} and {Path(args.out) / 'report.md'}")
     return 0
