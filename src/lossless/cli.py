@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     g.add_argument("--mode", default="orthrus", choices=MODES, help="orthrus (draft + verify) or ar (one token per forward)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many generated tokens")
-    g.add_argument("--k", type=int, default=None, help="block size (default: the head's k)")
+    g.add_argument("--k", type=int, default=None, help="block size (default: the head's k; --cycle fused: at most 3)")
     _add_cycle_args(g)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = no filter)")
@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the plan instead of --dtypes x --attn: comma-separated dtype/attn[:prompts per domain], "
                         "run in this order, e.g. bf16/sdpa,fp32/sdpa,fp16/sdpa:20")
     a.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
-    a.add_argument("--k", type=int, default=None, help="block size (default: the head's k)")
+    a.add_argument("--k", type=int, default=None, help="block size (default: the head's k; --cycle fused: at most 3)")
     _add_cycle_args(a)
     a.add_argument("--limit-per-domain", type=int, default=None, help="first N prompts of each domain")
     a.add_argument("--shard", default=None,
@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(e, "bf16", dtype_list=True)
     e.add_argument("--tasks", default="humaneval,arith,capitals", help="comma-separated: humaneval, arith, capitals")
     e.add_argument("--modes", default="ar,orthrus", help=f"comma-separated decoding modes: {', '.join(MODES)}")
-    e.add_argument("--k", type=int, default=None, help="block size (default: the head's k)")
+    e.add_argument("--k", type=int, default=None, help="block size (default: the head's k; --cycle fused: at most 3)")
     _add_cycle_args(e)
     e.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
     e.add_argument("--confirm-run-unsafe-code", action="store_true",

