@@ -119,7 +119,7 @@ def run_eval(cfg: EvalConfig, out: str | Path, command: list[str] | None = None,
                 atomic_write(run / f"samples_{short_name(task)}.jsonl",
                              jsonl_text(samples, default=handle_non_serializable, ensure_ascii=False))
                 res["lossless"] = {"model": cfg.model, "mode": label, "cycle": cfg.cycle, "dtype": dtype,
-                                   "attn": cfg.attn, "limit": cfg.limit, "k": cfg.k or lm.lm.k,
+                                   "attn": cfg.attn, "limit": cfg.limit, "k": lm.block_size,
                                    "chat_template": task in CHAT_TASKS, "command": cmd}
                 atomic_write(run / f"results_{short_name(task)}.json",
                              json.dumps(res, default=handle_non_serializable, indent=1))

@@ -19,7 +19,7 @@ import logging
 import torch
 from tqdm.auto import tqdm
 
-from .decoding import DecodeConfig, decode
+from .decoding import DecodeConfig, block_size, decode
 from .errors import LosslessError
 from .names import check_cycle, check_mode
 from .sampling import SamplingConfig
@@ -90,6 +90,7 @@ class LosslessLM(TemplateLM):
         self.mode = mode
         self.k = int(k) if k else None
         self.cycle, self.groups = cycle, int(groups) if groups else None
+        self.block_size = block_size(self.lm.k, DecodeConfig(k=self.k, cycle=cycle))  # the k decoding uses
         self.max_gen_toks = int(max_gen_toks)
         self._max_length = int(max_length) if max_length else min(self.lm.max_positions, 4096)
         self.seed = int(seed)
@@ -128,7 +129,7 @@ class LosslessLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         return {"lossless_model": self.model_name, "mode": self.mode, "dtype": self.lm.dtype_name,
-                "attn": getattr(self.lm, "attn", None), "k": self.k or self.lm.k, "cycle": self.cycle}
+                "attn": getattr(self.lm, "attn", None), "k": self.block_size, "cycle": self.cycle}
 
     # ------------------------------------------------------------------------------ log-likelihoods
     @torch.no_grad()
@@ -179,7 +180,7 @@ class LosslessLM(TemplateLM):
         prompt_ids = self.tok_encode(context)
         if not prompt_ids:
             prompt_ids = [self.prefix_token_id]
-        room = self.lm.max_positions - max_new - (self.k or self.lm.k) - 1
+        room = self.lm.max_positions - max_new - self.block_size - 1
         if len(prompt_ids) > room:
             prompt_ids = prompt_ids[-room:]  # keep the end of an over-long context, as the harness's HF model does
         cfg = DecodeConfig(max_new_tokens=max_new, k=self.k, cycle=self.cycle, groups=self.groups,
