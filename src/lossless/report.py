@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .errors import LosslessError
-from .records import read_records
+from .records import read_records, record_files
 from .stats import logistic_regression, wilson_interval
 
 # The replication's figures (ORTHRUS.md §2). Coefficients are paired with the two models in the order
@@ -496,6 +496,8 @@ def write_report(run_dir, out_dir=None, at_rest: bool = False) -> dict:
     groups = _group(records)
     plots = [p for p in (draw(summary, groups, out) for draw in _PLOTS) if p is not None]
     summary["plots"] = [name for name, _ in plots]
+    if at_rest:  # which committed segments this summary was built from, so it can be rebuilt from exactly them
+        summary["record_segments"] = [f.name for f in record_files(run_dir, at_rest=True)]
     (out / "report.md").write_text(_markdown(summary, run_dir, run_info, plots), encoding="utf-8")
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     return summary
