@@ -330,7 +330,8 @@ def test_a_fused_audit_records_its_cycle_beside_two_pass_records(tmp_path):
     suite = write_suite(tmp_path / "s.jsonl")
     two_pass, fused = tmp_path / "two-pass", tmp_path / "fused"
     run_audit(config(suite, dtypes=["fp32"]), two_pass, load=tiny_loader, progress=False)
-    run_audit(config(suite, dtypes=["fp32"], cycle="fused", groups=2), fused, load=tiny_loader, progress=False)
+    run_audit(config(suite, dtypes=["fp32"], candidates=["orthrus-fused"], groups=2), fused, load=tiny_loader,
+              progress=False)
     records = load_run(fused)[0]
     assert len(records) == 6 and all(r["cycle"] == "fused" and r["key"].endswith("|fused") for r in records)
     assert all(r["exact_match"] for r in records)  # fp32 on a tiny model
@@ -339,7 +340,7 @@ def test_a_fused_audit_records_its_cycle_beside_two_pass_records(tmp_path):
     summary = write_report(fused)
     assert [c["label"] for c in summary["configs"]] == ["fp32/sdpa fused"]
     assert summary["configs"][0]["cycle"] == "fused"
-    with pytest.raises(LosslessError, match="cycle"):  # one run directory, one cycle
+    with pytest.raises(LosslessError, match="candidates"):  # one run directory, one set of candidates
         run_audit(config(suite, dtypes=["fp32"]), fused, load=tiny_loader, progress=False)
 
 

@@ -1,5 +1,6 @@
 """The trajectory audit: for every prompt and configuration (dtype, attention kernel), the AR greedy
-reference and Orthrus greedy, compared token for token.
+reference and each candidate decoder's greedy trajectory (Orthrus by default; prompt lookup, assisted
+generation, the oracle drafter or your own, see `candidates.py`), compared token for token.
 
 A run is a plan of configurations, each over all prompts of the suite or the first n per domain
 (`--configs bf16/sdpa,fp16/sdpa:20`, or the cross product of `--dtypes` and `--attn`), worked through
@@ -14,8 +15,12 @@ that are committed, so a run resumes from any checkout on any machine and never 
   to the checkout; a run directory holding another configuration or another head is refused. A study
   pinned to a head that is no longer the default finds it among `heads/` by its digest.
 - Each record names its machine (CPU, ISA, torch, threads): bf16 rounding depends on it.
-- An AR reference is computed once per (prompt, dtype, kernel) and machine: exact mode's comparison
-  with stock AR reuses the stock configuration's record when one exists.
+- An AR reference is computed once per (prompt, dtype, kernel) and machine and shared by every candidate
+  of the item; exact mode's comparison with stock AR reuses the stock configuration's record when one exists.
+- Record keys: `id|dtype|attn`, then `|ref-<kernel>` when the reference ran another kernel, then
+  `|<candidate>` for every candidate but `orthrus` (`|fused` for `orthrus-fused`, the key the fused cycle
+  always had). The `orthrus_*` fields hold the candidate's trajectory whatever the candidate (the study's
+  record format predates candidates); `candidate` names it.
 
 This module runs decodes and records them. Statistics and the report are in `stats.py`/`report.py`.
 """
@@ -38,7 +43,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .decoding import DecodeConfig, block_size, decode
+from . import candidates as cands
+from .decoding import DecodeConfig, decode
 from .dtypes import dtype_name
 from .errors import LosslessError
 from .model import OrthrusLM
@@ -128,8 +134,8 @@ class AuditConfig:
     device: str = "cpu"
     configs: list[str] | None = None  # the plan as "dtype/attn[:n per domain]", in order; None = dtypes x attns
     head_digest: str = ""  # the head every record of the run was made with (set from the loaded model)
-    cycle: str = "two-pass"  # the Orthrus cycle audited ("fused": one forward per cycle)
-    groups: int | None = None  # fused: draft groups per forward (None = all)
+    candidates: list[str] = field(default_factory=lambda: [cands.DEFAULT])  # decoders compared with AR
+    groups: int | None = None  # orthrus-fused: draft groups per forward (None = all)
 
     def plan(self) -> list[tuple[str, str, int | None]]:
         """(dtype, attn, prompts per domain or None for all), in the order the run works through them."""
@@ -233,7 +239,7 @@ def open_run(run_dir: Path, cfg: AuditConfig, planned: int, command: list[str]) 
         # the suite and head are identified by content hashes, so a moved checkout or a versioned head
         # directory still resumes; a run made before heads were recorded adopts this one
         skip = {"suite", "head", "head_digest"}
-        diff = sorted(k for k in mine if k not in skip and old_cfg.get(k, _DEFAULTS.get(k)) != mine[k])
+        diff = sorted(k for k in mine if k not in skip and _recorded(old_cfg, k) != mine[k])
         if diff:
             raise LosslessError(
                 f"{run_dir} holds a run with a different configuration ({', '.join(diff)}); rerun its own command "
@@ -251,7 +257,15 @@ def open_run(run_dir: Path, cfg: AuditConfig, planned: int, command: list[str]) 
     path.write_text(json.dumps(info, indent=2) + "\n")
 
 
-_DEFAULTS = {"configs": None, "cycle": "two-pass", "groups": None}  # fields added after the first runs: absent in old run.json means the default
+_DEFAULTS = {"configs": None, "groups": None}  # fields added after the first runs: absent in old run.json means the default
+
+
+def _recorded(old_cfg: dict, name: str):
+    """A configuration field as an existing run.json holds it; runs from before candidates named their
+    Orthrus cycle instead (`cycle: fused` is the `orthrus-fused` candidate)."""
+    if name == "candidates" and name not in old_cfg:
+        return ["orthrus-fused" if old_cfg.get("cycle") == "fused" else cands.DEFAULT]
+    return old_cfg.get(name, _DEFAULTS.get(name))
 
 
 def pinned_head(run_dir: Path) -> str:
@@ -287,33 +301,37 @@ class Reference:
         return cls(r["ar_ids"], r["ar_margins"], r["ref_log_ppl"], r["ar_forwards"], r["ar_seconds"], reused=True)
 
 
-def record_key(prompt_id: str, dtype: str, attn: str, reference_attn: str | None = None, cycle: str = "two-pass") -> str:
-    """`id|dtype|attn`, then `|ref-<kernel>` when the reference ran another kernel, `|<cycle>` unless two-pass."""
+def record_key(prompt_id: str, dtype: str, attn: str, reference_attn: str | None = None,
+               candidate: str = cands.DEFAULT) -> str:
+    """`id|dtype|attn`, then `|ref-<kernel>` when the reference ran another kernel, then `|<candidate>`
+    unless the candidate is `orthrus` (`|fused` for `orthrus-fused`)."""
+    suffix = "" if candidate == cands.DEFAULT else "|fused" if candidate == "orthrus-fused" else f"|{candidate}"
     return (f"{prompt_id}|{dtype}|{attn}" + (f"|ref-{reference_attn}" if reference_attn not in (None, attn) else "")
-            + ("" if cycle == "two-pass" else f"|{cycle}"))
+            + suffix)
 
 
-def pair_record(prompt: dict, prompt_ids: list[int], dtype: str, attn: str, reference_attn: str, k: int,
-                max_new_tokens: int, ref: Reference, orth, machine: str = "", head: str = "",
-                cycle: str = "two-pass") -> dict:
-    """The audit record of one AR reference against one Orthrus run (a DecodeState)."""
-    a, o = ref.ids, orth.generated
+def pair_record(prompt: dict, prompt_ids: list[int], dtype: str, attn: str, reference_attn: str,
+                max_new_tokens: int, ref: Reference, run: cands.CandidateRun, candidate: str = cands.DEFAULT,
+                machine: str = "", head: str = "") -> dict:
+    """The audit record of one AR reference against one candidate trajectory."""
+    a, o = ref.ids, run.ids
     div = first_divergence(a, o)
 
     def margin(margins, i):
-        return round(margins[i], 6) if i is not None and i < len(margins) else None
+        return round(margins[i], 6) if margins is not None and i is not None and i < len(margins) else None
 
     return {
-        "key": record_key(prompt["id"], dtype, attn, reference_attn, cycle), "prompt_id": prompt["id"],
-        "domain": prompt["domain"], "dtype": dtype, "attn": attn, "reference_attn": reference_attn, "cycle": cycle, "k": k, "max_new_tokens": max_new_tokens,
+        "key": record_key(prompt["id"], dtype, attn, reference_attn, candidate), "prompt_id": prompt["id"],
+        "domain": prompt["domain"], "dtype": dtype, "attn": attn, "reference_attn": reference_attn,
+        "candidate": candidate, "cycle": run.cycle, "k": run.k, "max_new_tokens": max_new_tokens,
         "prompt_tokens": len(prompt_ids),
         "ar_ids": a, "orthrus_ids": o, "exact_match": a == o, "first_divergence": div,
         "levenshtein": levenshtein(a, o),
-        "ref_margin_at_divergence": margin(ref.margins, div), "orthrus_margin_at_divergence": margin(orth.margins, div),
+        "ref_margin_at_divergence": margin(ref.margins, div), "orthrus_margin_at_divergence": margin(run.margins, div),
         "ref_log_ppl": ref.log_ppl, "response_length": len(a),
-        "accepted": orth.stats.accepted, "tokens_per_step": round(orth.stats.tokens_per_step, 4),
-        "ar_forwards": ref.forwards, "orthrus_forwards": orth.stats.forwards,
-        "ar_seconds": round(ref.seconds, 4), "orthrus_seconds": round(orth.stats.seconds, 4),
+        "accepted": run.accepted, "tokens_per_step": run.tokens_per_step,
+        "ar_forwards": ref.forwards, "orthrus_forwards": run.forwards,
+        "ar_seconds": round(ref.seconds, 4), "orthrus_seconds": round(run.seconds, 4),
         "reference_reused": ref.reused,
         # the reference's top-1 minus top-2 logit per token (4 decimals: bf16 steps are far coarser), so a
         # later configuration can reuse this reference and still report its margin at divergence
@@ -323,7 +341,8 @@ def pair_record(prompt: dict, prompt_ids: list[int], dtype: str, attn: str, refe
 
 
 def reference_kernels(attn: str) -> list[str]:
-    """AR references an Orthrus kernel is compared with: its own, and for exact mode also stock SDPA."""
+    """AR references a candidate under `attn` is compared with: its own kernel's, and for exact mode also
+    stock SDPA's."""
     return [attn, "sdpa"] if attn == "exact" else [attn]
 
 
@@ -334,25 +353,33 @@ def compute_reference(model: OrthrusLM, ids: list[int], dcfg: DecodeConfig) -> R
                      ar.stats.forwards, ar.stats.seconds)
 
 
+def item_keys(prompt_id: str, dtype: str, attn: str, candidate: str) -> list[str]:
+    """The record keys one candidate of one item writes (one per reference kernel)."""
+    return [record_key(prompt_id, dtype, attn, ref_attn, candidate) for ref_attn in reference_kernels(attn)]
+
+
 def audit_prompt(models: dict, prompt: dict, dtype: str, attn: str, cfg: AuditConfig,
-                 known: dict[str, dict] | None = None, machine: str = "") -> list[dict]:
-    """Decode one prompt with Orthrus under `attn` and compare with each AR reference; one record per
-    reference. `known` maps record keys to earlier records of this machine whose reference can be reused."""
+                 known: dict[tuple[str, str, str], dict] | None = None, machine: str = "",
+                 candidates: list[str] | None = None) -> list[dict]:
+    """Run each candidate (default: the run's) on one prompt under `attn` and compare it with each AR
+    reference, computed once for all of them; one record per (candidate, reference). `known` maps
+    (prompt id, dtype, reference kernel) to an earlier record of this machine whose reference can be reused."""
     model = models[(dtype, attn)]
     ids = encode_prompt(model.tokenizer, prompt["prompt"])
-    dcfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens, k=cfg.k, record_margins=True)
-    orth = decode(model, ids, "orthrus", dataclasses.replace(dcfg, cycle=cfg.cycle, groups=cfg.groups))
-    k = block_size(model.k, dataclasses.replace(dcfg, cycle=cfg.cycle))
-    records = []
+    dcfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens, k=cfg.k, record_margins=True, groups=cfg.groups)
+    refs: dict[str, Reference] = {}
     for ref_attn in reference_kernels(attn):
-        earlier = (known or {}).get(record_key(prompt["id"], dtype, ref_attn, cycle=cfg.cycle)) \
-            if ref_attn != attn else None
-        if earlier is not None:
-            ref = Reference.from_record(earlier)
-        else:
-            ref = compute_reference(models[(dtype, ref_attn)], ids, dcfg)
-        records.append(pair_record(prompt, ids, dtype, attn, ref_attn, k, cfg.max_new_tokens, ref, orth,
-                                   machine=machine, head=cfg.head_digest, cycle=cfg.cycle))
+        earlier = (known or {}).get((prompt["id"], dtype, ref_attn))
+        refs[ref_attn] = Reference.from_record(earlier) if earlier is not None else \
+            compute_reference(models[(dtype, ref_attn)], ids, dcfg)
+    records = []
+    for name in candidates or cfg.candidates:
+        cands.check_kernel(name, attn)
+        # the oracle drafts the reference of its own kernel
+        run = cands.resolve(name).run(model, ids, dcfg, refs[attn].ids)
+        for ref_attn, ref in refs.items():
+            records.append(pair_record(prompt, ids, dtype, attn, ref_attn, cfg.max_new_tokens, ref, run, name,
+                                       machine=machine, head=cfg.head_digest))
     return records
 
 
@@ -364,10 +391,11 @@ def plan_work(cfg: AuditConfig, suite: list[dict]) -> list[tuple[dict, str, str]
     return work
 
 
-def _reusable(records: list[dict], machine: str) -> dict[str, dict]:
-    """Records whose AR reference another configuration may reuse: own-kernel references made on this machine."""
-    return {r["key"]: r for r in records
-            if r.get("machine") == machine and r.get("reference_attn") == r.get("attn") and "ar_margins" in r}
+def _reusable(records: list[dict], machine: str) -> dict[tuple[str, str, str], dict]:
+    """Records whose AR reference another item or candidate may reuse, by (prompt id, dtype, reference
+    kernel): references made on this machine, with their margins."""
+    return {(r["prompt_id"], r["dtype"], r["reference_attn"]): r for r in records
+            if r.get("machine") == machine and "ar_margins" in r and r.get("reference_attn")}
 
 
 def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, command: list[str] | None = None,
@@ -383,10 +411,14 @@ def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, comma
     shard_t = parse_shard(shard) if launcher is None else (launcher.process_index, launcher.num_processes)
     suite = load_suite(cfg.suite)
     cfg.suite_sha256 = hashlib.sha256(Path(cfg.suite).read_bytes()).hexdigest()[:16]
+    cfg.candidates = cands.parse_candidates(cfg.candidates)
+    for _, attn, _ in cfg.plan():  # every candidate can run under every kernel of the plan, or nothing runs
+        for name in cfg.candidates:
+            cands.check_kernel(name, attn)
     work = plan_work(cfg, suite)
     if not work:
         raise LosslessError(f"suite {cfg.suite} is empty after filtering")
-    planned = sum(len(reference_kernels(a)) for _, _, a in work)
+    planned = sum(len(reference_kernels(a)) for _, _, a in work) * len(cfg.candidates)
     run_dir = Path(out)
     pinned = pinned_head(run_dir)
     head = cfg.head
@@ -409,26 +441,33 @@ def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, comma
     known = _reusable(existing, machine)
     del existing
     mine = [w for j, w in enumerate(work) if j % shard_t[1] == shard_t[0]]
-    todo = [w for w in mine if record_key(w[0]["id"], w[1], w[2], cycle=cfg.cycle) not in done]  # an item's first key
+
+    def missing(item) -> list[str]:
+        """The candidates of an item still to run (an item's records are written together, per run)."""
+        prompt, dtype, attn = item
+        return [c for c in cfg.candidates if not all(k in done for k in item_keys(prompt["id"], dtype, attn, c))]
+
+    todo = [(w, m) for w in mine if (m := missing(w))]
     bar = tqdm(total=len(mine), initial=len(mine) - len(todo), desc="audit pairs", unit="item", disable=not progress)
     n_new = 0
     last_roll = time.monotonic()
     restore = _stop_cleanly_on_sigterm()
     try:
-        for prompt, dtype, attn in todo:
+        for (prompt, dtype, attn), names in todo:
             for kernel in reference_kernels(attn):
                 if (dtype, kernel) not in models:
-                    if kernel != attn and record_key(prompt["id"], dtype, kernel, cycle=cfg.cycle) in known:
+                    if kernel != attn and (prompt["id"], dtype, kernel) in known:
                         continue  # this reference comes from an earlier record
                     models[(dtype, kernel)] = load(dtype, kernel)
             if (dtype, attn) not in models:
                 models[(dtype, attn)] = load(dtype, attn)
-            records = audit_prompt(models, prompt, dtype, attn, cfg, known, machine)
+            records = [r for r in audit_prompt(models, prompt, dtype, attn, cfg, known, machine, names)
+                       if r["key"] not in done]
             # all records of an item in one write: a kill leaves the item wholly done or wholly to redo
             store.append(records)
             known.update(_reusable(records, machine))
             n_new += len(records)
-            bar.set_postfix(match=records[0]["exact_match"], tps=records[0]["tokens_per_step"])
+            bar.set_postfix(match=f"{sum(r['exact_match'] for r in records)}/{len(records)}")
             bar.update(1)
             if time.monotonic() - last_roll > roll_seconds:
                 store.roll()

@@ -139,6 +139,7 @@ def cmd_train(args) -> int:
 
 def cmd_audit(args) -> int:
     from . import audit, paths
+    from .candidates import check_kernel, parse_candidates
     from .dtypes import dtype_name
     from .models import ATTN_KERNELS
 
@@ -160,10 +161,16 @@ def cmd_audit(args) -> int:
     if args.shard:
         audit.parse_shard(args.shard)
     _check_cycle_args(args)
+    names = parse_candidates(args.candidates)
+    if args.cycle == "fused":  # --cycle fused audits the fused cycle: the orthrus-fused candidate
+        names = list(dict.fromkeys("orthrus-fused" if n == "orthrus" else n for n in names))
+    for attn in attns:
+        for name in names:
+            check_kernel(name, attn)
     cfg = audit.AuditConfig(model=args.model, head=args.head, suite=str(args.suite or paths.DEFAULT_SUITE),
                             dtypes=dtypes, attns=attns, max_new_tokens=args.max_new_tokens, k=args.k,
                             limit_per_domain=args.limit_per_domain, device=args.device, configs=configs,
-                            cycle=args.cycle, groups=args.groups)
+                            candidates=names, groups=args.groups)
     result = audit.run_audit(cfg, args.out, shard=args.shard, command=["lossless", *args.argv],
                              progress=not args.no_progress)
     print(json.dumps(result))
@@ -179,8 +186,9 @@ def cmd_report(args) -> int:
     for c in summary["configs"]:
         lo, hi = c["ci95"]
         label = c["label"]
+        tps = "" if c["mean_tokens_per_step"] is None else f", {c['mean_tokens_per_step']:.2f} tokens/step"
         print(f"  {label}: exact match {100 * c['exact_match_rate']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] "
-              f"(n={c['n']}), {c['mean_tokens_per_step']:.2f} tokens/step")
+              f"(n={c['n']}){tps}")
     return 0
 
 
@@ -271,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_train)
 
-    a = sub.add_parser("audit", help="AR vs Orthrus trajectories over a prompt suite, appended to a run directory")
+    a = sub.add_parser("audit", help="AR vs Orthrus (or any candidate decoder) trajectories over a prompt suite, "
+                                     "appended to a run directory")
     _add_model_args(a, "fp32,bf16", dtype_list=True, attn_list=True)
     a.add_argument("--suite", default=None, help="JSONL {id, domain, prompt} or JSON {domain: [prompts]}")
     a.add_argument("--configs", default=None,
@@ -280,6 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     a.add_argument("--k", type=int, default=None, help="block size (default: the head's k; --cycle fused: at most 3)")
     _add_cycle_args(a)
+    a.add_argument("--candidates", default="orthrus",
+                   help="comma-separated decoders compared with AR: orthrus, orthrus-fused, oracle (the reference "
+                        "as drafter), prompt-lookup, self-assisted, hf-greedy, or module:function (a callable "
+                        "(model, prompt_ids, max_new_tokens) -> token ids); --cycle fused turns orthrus into "
+                        "orthrus-fused")
     a.add_argument("--limit-per-domain", type=int, default=None, help="first N prompts of each domain")
     a.add_argument("--shard", default=None,
                    help="i/n: run every n-th item starting at i (default: the process's rank under accelerate "

@@ -1,7 +1,7 @@
 """The audit report: read a run directory's records, summarise them, write report.md, plots and summary.json.
 
 Owns: reading a run's records (through `records.py`; first occurrence of a key wins), grouping
-records by configuration (dtype, attention kernel, reference kernel) and domain, the summary schema,
+records by configuration (dtype, attention kernel, reference kernel, candidate decoder) and domain, the summary schema,
 the replication's published figures it is compared against, the markdown layout and the plots.
 
 Does not know: how trajectories are generated or compared (the records already say whether they
@@ -73,16 +73,23 @@ def _ppl(log_ppl: float) -> float:
     return math.exp(min(float(log_ppl), 700.0))  # a runaway NLL must not crash the report
 
 
+def _candidate(r: dict) -> str:
+    """The record's candidate decoder; records from before candidates are Orthrus in their cycle."""
+    return str(r.get("candidate") or ("orthrus-fused" if r.get("cycle") == "fused" else "orthrus"))
+
+
 def _config(r: dict) -> tuple[str, str, str, str]:
     attn = str(r.get("attn", "?"))
-    return (str(r.get("dtype", "?")), attn, str(r.get("reference_attn") or attn), str(r.get("cycle") or "two-pass"))
+    return (str(r.get("dtype", "?")), attn, str(r.get("reference_attn") or attn), _candidate(r))
 
 
-def config_label(dtype: str, attn: str, reference_attn: str, cycle: str = "two-pass") -> str:
-    """`bf16/sdpa`, or `bf16/<orthrus kernel> vs AR-<reference kernel>` when the two kernels differ; a
-    cycle other than two-pass is appended (`bf16/sdpa fused`)."""
+def config_label(dtype: str, attn: str, reference_attn: str, candidate: str = "orthrus") -> str:
+    """`bf16/sdpa`, or `bf16/<candidate kernel> vs AR-<reference kernel>` when the two kernels differ; a
+    candidate other than orthrus is appended (`bf16/sdpa prompt-lookup`; `bf16/sdpa fused` for orthrus-fused,
+    as the fused cycle was labelled before candidates)."""
     label = f"{dtype}/{attn}" if reference_attn == attn else f"{dtype}/{attn} vs AR-{reference_attn}"
-    return label if cycle == "two-pass" else f"{label} {cycle}"
+    suffix = {"orthrus": "", "orthrus-fused": " fused"}.get(candidate, f" {candidate}")
+    return label + suffix
 
 
 def _rate(recs: list[dict]) -> tuple[float | None, list[float]]:
@@ -99,6 +106,16 @@ def _pair_seconds(r: dict) -> float:
 
 def _diverging_first(recs: list[dict]) -> float | None:
     return _mean(r.get("first_divergence") for r in recs if not _match(r))
+
+
+def _divergence_margins(recs: list[dict]) -> dict:
+    """The reference's top-1 minus top-2 logit where diverging pairs part: how near a tie verification
+    flipped. Ties (margin 0) and near-ties (at most 0.25, two bf16 steps near logit 4-8) are counted."""
+    m = sorted(float(r["ref_margin_at_divergence"]) for r in recs
+               if not _match(r) and r.get("ref_margin_at_divergence") is not None)
+    median = None if not m else (m[len(m) // 2] if len(m) % 2 else (m[len(m) // 2 - 1] + m[len(m) // 2]) / 2)
+    return {"n_diverging": sum(not _match(r) for r in recs), "n_margins": len(m), "median_margin": median,
+            "ties": sum(x <= 0 for x in m), "near_ties": sum(x <= 0.25 for x in m)}
 
 
 def _group(records: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
@@ -123,11 +140,13 @@ def summarise(records: list[dict], run_info: dict) -> dict:
     """The summary.json object (see `write_report`)."""
     groups = _group(records)
     configs, domains, regression, ppl = [], {}, {}, {}
-    for (dtype, attn, ref, cycle), recs in groups.items():
-        label = config_label(dtype, attn, ref, cycle)
+    for (dtype, attn, ref, candidate), recs in groups.items():
+        label = config_label(dtype, attn, ref, candidate)
         rate, ci = _rate(recs)
+        cycle = recs[0]["cycle"] if "cycle" in recs[0] else "two-pass"
         configs.append({"label": label, "dtype": dtype, "attn": attn, "reference_attn": ref, "n": len(recs),
-                        "exact_match_rate": rate, "ci95": ci,
+                        "candidate": candidate, "n_match": sum(_match(r) for r in recs),
+                        "exact_match_rate": rate, "ci95": ci, "margin_at_divergence": _divergence_margins(recs),
                         "mean_tokens_per_step": _mean(r.get("tokens_per_step") for r in recs),
                         "mean_first_divergence": _diverging_first(recs),
                         "mean_levenshtein": _mean(r.get("levenshtein") for r in recs),
@@ -268,6 +287,37 @@ def _comparison(summary: dict) -> list[str]:
             + _table(["quantity", "published", "ours", "our config"], rows))
 
 
+def _several_candidates(summary: dict) -> bool:
+    return {c["candidate"] for c in summary["configs"]} != {"orthrus"}
+
+
+def _candidates_section(summary: dict) -> list[str]:
+    """Exact match by candidate (rows) and configuration (columns), and where diverging pairs parted."""
+    if not _several_candidates(summary):
+        return []
+    cols = list(dict.fromkeys(config_label(c["dtype"], c["attn"], c["reference_attn"]) for c in summary["configs"]))
+    cands = list(dict.fromkeys(c["candidate"] for c in summary["configs"]))
+    cell = {(c["candidate"], config_label(c["dtype"], c["attn"], c["reference_attn"])): c for c in summary["configs"]}
+
+    def show(c):
+        return "—" if c is None else f"{_pct(c['exact_match_rate'], c['ci95'])} ({c['n_match']}/{c['n']})"
+
+    L = ["## Candidates", "",
+         "Exact match with the AR greedy reference by candidate decoder and configuration (matching/pairs, "
+         "Wilson 95% intervals). `oracle` drafts the reference itself and `self-assisted` drafts the model's "
+         "own greedy choices, so every divergence of theirs comes from verifying several tokens in one forward.", ""]
+    L += _table(["candidate", *cols], [[name, *(show(cell.get((name, col))) for col in cols)] for name in cands])
+    L += ["Where diverging pairs part: the reference's top-1 minus top-2 logit at the first divergence "
+          "(tie = 0; near-tie = at most 0.25).", ""]
+    L += _table(["candidate", "config", "diverging", "median margin", "ties", "near-ties", "mean first divergence"],
+                [[c["candidate"], config_label(c["dtype"], c["attn"], c["reference_attn"]),
+                  c["margin_at_divergence"]["n_diverging"], _num(c["margin_at_divergence"]["median_margin"], ".3g"),
+                  c["margin_at_divergence"]["ties"], c["margin_at_divergence"]["near_ties"],
+                  _num(c["mean_first_divergence"], ".1f")]
+                 for c in summary["configs"]])
+    return L
+
+
 def _markdown(summary: dict, run_dir: Path, run_info: dict, plots: list[tuple[str, str]]) -> str:
     L = ["# Trajectory audit report", "", f"Run: `{run_dir}`  ", _progress(summary), ""]
     L += _run_lines(run_info)
@@ -275,12 +325,14 @@ def _markdown(summary: dict, run_dir: Path, run_info: dict, plots: list[tuple[st
           "Orthrus. Intervals are Wilson 95%. First divergence and Levenshtein are in tokens; first "
           "divergence is averaged over diverging pairs only.", ""]
     L += ["## Configurations", ""]
-    L += _table(["dtype", "attn", "reference attn", "n", "exact match [95% CI]", "mean tokens/step",
+    L += _table(["candidate", "dtype", "attn", "reference attn", "n", "exact match [95% CI]", "mean tokens/step",
                  "mean first divergence", "mean Levenshtein", "s per pair"],
-                [[c["dtype"], c["attn"], c["reference_attn"], c["n"], _pct(c["exact_match_rate"], c["ci95"]),
+                [[c["candidate"], c["dtype"], c["attn"], c["reference_attn"], c["n"],
+                  _pct(c["exact_match_rate"], c["ci95"]),
                   _num(c["mean_tokens_per_step"]), _num(c["mean_first_divergence"], ".1f"),
                   _num(c["mean_levenshtein"], ".1f"), _num(c.get("mean_seconds_per_pair"), ".1f")]
                  for c in summary["configs"]])
+    L += _candidates_section(summary)
     L += ["## Per domain", ""]
     for label, rows in summary["domains"].items():
         L += [f"### {label}", ""]
@@ -354,10 +406,10 @@ def _plot_ppl_bins(summary, groups, out: Path, max_bins: int = 5):
     import numpy as np
 
     series = []
-    for (dtype, attn, ref, cycle), recs in groups.items():
+    for (dtype, attn, ref, candidate), recs in groups.items():
         pts = [(float(r["ref_log_ppl"]), _match(r)) for r in recs if r.get("ref_log_ppl") is not None]
         if pts:
-            series.append((config_label(dtype, attn, ref, cycle), pts))
+            series.append((config_label(dtype, attn, ref, candidate), pts))
     if not series:
         return None
     fig, ax = _new_figure()
@@ -389,11 +441,11 @@ def _plot_margins(summary, groups, out: Path):
     import numpy as np
 
     series = []
-    for (dtype, attn, ref, cycle), recs in groups.items():
+    for (dtype, attn, ref, candidate), recs in groups.items():
         m = [float(r["ref_margin_at_divergence"]) for r in recs
              if not _match(r) and r.get("ref_margin_at_divergence") is not None]
         if m:
-            series.append((config_label(dtype, attn, ref, cycle), np.array(m)))
+            series.append((config_label(dtype, attn, ref, candidate), np.array(m)))
     if not series:
         return None
     allm = np.concatenate([m for _, m in series])
@@ -426,10 +478,10 @@ def _plot_first_divergence(summary, groups, out: Path):
     import numpy as np
 
     series = []
-    for (dtype, attn, ref, cycle), recs in groups.items():
+    for (dtype, attn, ref, candidate), recs in groups.items():
         fd = [int(r["first_divergence"]) for r in recs if not _match(r) and r.get("first_divergence") is not None]
         if fd:
-            series.append((config_label(dtype, attn, ref, cycle), fd))
+            series.append((config_label(dtype, attn, ref, candidate), fd))
     if not series:
         return None
     top = max(max(fd) for _, fd in series)
@@ -469,7 +521,35 @@ def _plot_domains(summary, groups, out: Path):
     return "domain_match_rate.png", "Exact-match rate per domain and configuration, Wilson 95% bars."
 
 
-_PLOTS = (_plot_configs, _plot_ppl_bins, _plot_margins, _plot_first_divergence, _plot_domains)
+def _plot_candidates(summary, groups, out: Path):
+    """Exact match by candidate (x) and configuration (one series each), with Wilson bars."""
+    import numpy as np
+
+    if not _several_candidates(summary):
+        return None
+    cs = [c for c in summary["configs"] if c["exact_match_rate"] is not None]
+    cands = list(dict.fromkeys(c["candidate"] for c in cs))
+    series = list(dict.fromkeys(config_label(c["dtype"], c["attn"], c["reference_attn"]) for c in cs))
+    fig, ax = _new_figure(max(6.0, 1.3 * len(cands) + 2), 4.0)
+    width = 0.8 / max(1, len(series))
+    for i, label in enumerate(series):
+        row = [(j, c) for j, name in enumerate(cands) for c in cs
+               if c["candidate"] == name and config_label(c["dtype"], c["attn"], c["reference_attn"]) == label]
+        if not row:
+            continue
+        xs = [j + (i - (len(series) - 1) / 2) * width for j, _ in row]
+        rates = [c["exact_match_rate"] for _, c in row]
+        ax.errorbar(xs, rates, yerr=_yerr(rates, [c["ci95"] for _, c in row]), fmt="o", capsize=4, label=label)
+    ax.set_xticks(np.arange(len(cands)), cands)
+    ax.set_ylim(-0.02, 1.05)
+    ax.set_ylabel("exact-match rate")
+    ax.legend(fontsize=8, loc="lower left")
+    fig.savefig(out / "candidate_match_rate.png", dpi=110)
+    return ("candidate_match_rate.png",
+            "Exact match with AR greedy by candidate decoder and configuration, Wilson 95% intervals.")
+
+
+_PLOTS = (_plot_configs, _plot_candidates, _plot_ppl_bins, _plot_margins, _plot_first_divergence, _plot_domains)
 
 
 # --- entry point ---------------------------------------------------------------------------------
@@ -480,8 +560,10 @@ def write_report(run_dir, out_dir=None, at_rest: bool = False) -> dict:
     (compressed) records, as a checkout would.
 
     summary.json: {"n_records", "planned" (int or null), "configs": [{"label", "dtype", "attn",
-    "reference_attn", "n", "exact_match_rate", "ci95", "mean_tokens_per_step", "mean_first_divergence",
-    "mean_levenshtein"}], "domains": {label: [{"domain", "n", "exact_match_rate", "ci95",
+    "reference_attn", "candidate", "cycle", "n", "n_match", "exact_match_rate", "ci95", "margin_at_divergence":
+    {"n_diverging", "n_margins", "median_margin", "ties", "near_ties"}, "mean_tokens_per_step" (null for
+    candidates outside the decode loop), "mean_first_divergence", "mean_levenshtein", "mean_seconds_per_pair",
+    "compute_hours"}], "domains": {label: [{"domain", "n", "exact_match_rate", "ci95",
     "mean_first_divergence", "mean_tokens_per_step"}]}, "regression": {label: logistic_regression(...)},
     "ppl": {label: {"matching_mean_ppl", "diverging_mean_ppl", "n_matching", "n_diverging"}},
     "replication": PUBLISHED, "plots": [file names written]}.
