@@ -46,6 +46,8 @@ def test_every_builtin_candidate_equals_the_ar_reference_in_fp32(tmp_path, monke
     result = run_audit(config(suite, dtypes=["fp32"], candidates=names), out, load=tiny_loader, progress=False)
     assert result["planned_records"] == result["new_records"] == 6 * len(names)
     assert len(references) == 6  # one reference per item, shared by every candidate
+    computed = [r["prompt_id"] for r in load_run(out)[0] if not r["reference_reused"]]
+    assert sorted(computed) == sorted(set(computed)) and len(computed) == 6  # its cost is counted once
     records = load_run(out)[0]
     assert all(r["exact_match"] for r in records), [r["key"] for r in records if not r["exact_match"]]
     by_key = {r["key"]: r for r in records}

@@ -380,6 +380,8 @@ def audit_prompt(models: dict, prompt: dict, dtype: str, attn: str, cfg: AuditCo
         for ref_attn, ref in refs.items():
             records.append(pair_record(prompt, ids, dtype, attn, ref_attn, cfg.max_new_tokens, ref, run, name,
                                        machine=machine, head=cfg.head_digest))
+        # the next candidates share these references: their records count the reference's cost as reused
+        refs = {kernel: dataclasses.replace(ref, reused=True) for kernel, ref in refs.items()}
     return records
 
 

@@ -322,7 +322,7 @@ def _markdown(summary: dict, run_dir: Path, run_info: dict, plots: list[tuple[st
     L = ["# Trajectory audit report", "", f"Run: `{run_dir}`  ", _progress(summary), ""]
     L += _run_lines(run_info)
     L += ["Exact match = identical generated token-id lists (length included), AR greedy reference vs "
-          "Orthrus. Intervals are Wilson 95%. First divergence and Levenshtein are in tokens; first "
+          "the candidate decoder (Orthrus unless named). Intervals are Wilson 95%. First divergence and Levenshtein are in tokens; first "
           "divergence is averaged over diverging pairs only.", ""]
     L += ["## Configurations", ""]
     L += _table(["candidate", "dtype", "attn", "reference attn", "n", "exact match [95% CI]", "mean tokens/step",
