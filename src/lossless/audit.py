@@ -47,6 +47,7 @@ from . import candidates as cands
 from .decoding import DecodeConfig, decode
 from .dtypes import dtype_name
 from .errors import LosslessError
+from .names import ATTN_KERNELS, positive_int
 from .model import OrthrusLM
 from .records import RecordStore, read_records, writer_name
 from .stats import first_divergence, levenshtein
@@ -146,22 +147,14 @@ class AuditConfig:
 
 def parse_config(text: str) -> tuple[str, str, int | None]:
     """`bf16/sdpa` -> ("bf16", "sdpa", None); `fp16/exact:20` -> ("fp16", "exact", 20)."""
-    from .models import ATTN_KERNELS
-
     spec, _, limit = text.strip().partition(":")
     dtype, _, attn = spec.partition("/")
     if not dtype or not attn:
         raise LosslessError(f"config '{text}': expected dtype/attn[:prompts per domain], e.g. bf16/sdpa or fp16/sdpa:20")
     if attn not in ATTN_KERNELS:
         raise LosslessError(f"config '{text}': unknown attention kernel '{attn}'; choose from {', '.join(ATTN_KERNELS)}")
-    n = None
-    if limit:
-        try:
-            n = int(limit)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise LosslessError(f"config '{text}': the prompts per domain after ':' must be a positive integer")
+    n = positive_int(limit, f"config '{text}': the prompts per domain after ':' must be a positive integer") \
+        if limit else None
     return dtype_name(dtype), attn, n
 
 

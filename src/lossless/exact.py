@@ -49,7 +49,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .errors import LosslessError
-from .names import EXACT
+from .names import EXACT, positive_int
 
 MIRROR_ATTR = "_lossless_exact_fp32"  # on the key tensor an ExactCacheLayer returns: (keys, values) [cap, b, kv, d]
 
@@ -185,13 +185,7 @@ def default_row_group(dtype: torch.dtype) -> int:
     the same kernels; exact mode compares Orthrus with AR under the same group size."""
     env = os.environ.get(ROW_GROUP_ENV)
     if env:
-        try:
-            value = int(env)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise LosslessError(f"{ROW_GROUP_ENV} must be a positive integer, got {env!r}")
-        return value
+        return positive_int(env, f"{ROW_GROUP_ENV} must be a positive integer, got {env!r}")
     return ROW_GROUP if any(f in _cpu_flags() for f in _NATIVE_FLAGS.get(dtype, ())) else 1
 
 

@@ -34,6 +34,17 @@ def check_attn(attn: str) -> str:
     return attn
 
 
+def positive_int(text: str, error: str) -> int:
+    """`text` as an integer >= 1, else LosslessError(`error`)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise LosslessError(error)
+    return value
+
+
 def split_list(text: str, what: str) -> list[str]:
     """"a,b,a" -> ["a", "b"]: comma-separated values, blanks dropped, duplicates removed, order kept."""
     items = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
