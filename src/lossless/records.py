@@ -102,7 +102,7 @@ def read_records(run_dir: str | Path, at_rest: bool = False) -> list[dict]:
 
 
 class RecordStore:
-    """One writer's view of a run's records: what is done (by every writer), append, roll."""
+    """One writer's records: repair its plain file on opening, append items, roll them into segments."""
 
     def __init__(self, run_dir: str | Path, writer: str):
         self.run_dir = Path(run_dir)
@@ -128,10 +128,6 @@ class RecordStore:
 
     def segments(self) -> list[Path]:
         return sorted(self.dir.glob(f"{self.writer}.*.jsonl.gz"))
-
-    def done_keys(self) -> set[str]:
-        """Keys recorded by any writer of this run (so re-sharding never repeats work)."""
-        return {r["key"] for r in read_records(self.run_dir)}
 
     def append(self, records: list[dict]) -> None:
         """Write one item's records in one write, then flush and fsync: the item is wholly done or wholly
