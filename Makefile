@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo test test-fast head bench study study-report clean
+.PHONY: install demo test test-fast head head-data bench study study-report clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,12 +23,29 @@ demo: $(STAMP)
 	$(BIN)/lossless audit --model smollm2-135m --dtypes fp32,bf16 --limit-per-domain 2 --max-new-tokens 64 --out runs/demo
 	$(BIN)/lossless report runs/demo
 
-# the recipe of the shipped head (about 55 minutes on 2 CPU cores); it resumes if interrupted
-HEAD_ARGS := --model smollm2-135m --out heads/smollm2-135m --k 8 --steps 500 --lr 3e-4 --warmup 20 \
-	--seqs-per-step 4 --anchors 32 --save-every 25 --eval-every 100 --eval-prompts 4 --encoding delta_int8 --seed 0
-head: $(STAMP)
-	if [ -f heads/smollm2-135m/checkpoint.pt ]; then $(BIN)/lossless train $(HEAD_ARGS) --resume; \
+# The shipped head's recipe: self-distillation data, then a long training run. Both resume from where they
+# stopped, on any machine: the responses are committed record segments (data/distill/), the run keeps its
+# checkpoint in runs/ (not committed). The head is published to heads/smollm2-135m whenever held-out
+# tokens per cycle beats the head already there; the log and learning curve go to results/head-training/.
+# HEAD_PROCS processes (one per core) split the response generation. Days of CPU: run it in the background.
+HEAD_PROCS   ?= 1
+DISTILL_DIR  := data/distill/smollm2-135m-bf16-128
+DISTILL_ARGS := --model smollm2-135m --dtype bf16 --prompts data/distill_prompts.jsonl --out $(DISTILL_DIR) \
+	--max-new-tokens 128 --batch 32
+HEAD_RUN     := runs/head-training
+HEAD_ARGS    := --model smollm2-135m --prompts data/distill_prompts.jsonl --distill-dir $(DISTILL_DIR) \
+	--out $(HEAD_RUN) --k 8 --steps 20000 --lr 3e-4 --warmup 100 --seqs-per-step 4 --anchors 32 \
+	--save-every 20 --eval-every 200 --eval-prompts 8 --eval-tokens 96 --encoding delta_int8 --seed 0 \
+	--log results/head-training/log.jsonl --publish heads/smollm2-135m
+head-data: $(STAMP)
+	if [ "$(HEAD_PROCS)" = 1 ]; then $(BIN)/lossless distill $(DISTILL_ARGS); \
+	else OMP_NUM_THREADS=1 $(BIN)/accelerate launch --multi_gpu --num_processes $(HEAD_PROCS) --num_machines 1 \
+		--mixed_precision no --dynamo_backend no -m lossless distill $(DISTILL_ARGS); fi
+
+head: head-data
+	if [ -f $(HEAD_RUN)/checkpoint.pt ]; then $(BIN)/lossless train $(HEAD_ARGS) --resume; \
 	else $(BIN)/lossless train $(HEAD_ARGS); fi
+	$(BIN)/lossless curve results/head-training/log.jsonl --out results/head-training --labels smollm2-135m
 
 # the full study (results/full-study/README.md): resumable from the committed records, on any machine;
 # STUDY_PROCS processes (one per core) split the items by rank. Days of CPU: run it in the background.

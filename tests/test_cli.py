@@ -88,6 +88,17 @@ def _gpt2_dir(root: Path) -> Path:
     return path
 
 
+def _suite_prompt_file(root: Path) -> str:
+    """A prompt file holding one audit-suite prompt, re-spaced and re-cased: training must refuse it."""
+    from lossless import paths
+    from lossless.distill import read_prompts
+
+    prompt = read_prompts(paths.DEFAULT_SUITE)[7]["prompt"]
+    path = root / "leaky.jsonl"
+    path.write_text(json.dumps({"id": "x", "prompt": "  " + prompt.upper().replace(" ", "   ")}) + "\n")
+    return str(path)
+
+
 BAD_INPUTS_BEFORE_LOADING = {
     # name: (argv builder, substring of the message); none of these may load a model
     "unsupported architecture": (lambda d, t: _gen("--model", str(_gpt2_dir(t)), PROMPT), "llama, qwen3"),
@@ -97,6 +108,14 @@ BAD_INPUTS_BEFORE_LOADING = {
                                               d["broken"] + "/config.json"], "prompt"),
     "train data missing": (lambda d, t: ["train", "--model", d["model"], "--out", str(t / "h"), "--data",
                                          str(t / "nothing.txt")], "--data"),
+    "train distill dir empty": (lambda d, t: ["train", "--model", d["model"], "--out", str(t / "h"), "--distill-dir",
+                                              str(t / "nothing")], "lossless distill"),
+    "distill prompts missing": (lambda d, t: ["distill", "--model", d["model"], "--out", str(t / "r"), "--prompts",
+                                              str(t / "missing.jsonl")], "missing.jsonl"),
+    "distill prompts from the suite": (lambda d, t: ["distill", "--model", d["model"], "--out", str(t / "r"),
+                                                     "--prompts", _suite_prompt_file(t)], "the audit suite"),
+    "distill bad shard": (lambda d, t: ["distill", "--model", d["model"], "--out", str(t / "r"), "--shard", "3/2"],
+                          "shard"),
     "probe empty text": (lambda d, t: ["probe", "--model", d["model"], " "], "empty"),
     "probe k one": (lambda d, t: ["probe", "--model", d["model"], "--k", "1", PROMPT], "--k"),
     "generate head missing": (lambda d, t: _gen("--model", d["model"], "--head", d["missing"], PROMPT), "no head"),

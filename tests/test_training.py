@@ -2,16 +2,21 @@
 mask is the documented one, --resume is bit-for-bit, and DDP over 2 CPU processes works."""
 
 import copy
+import json
+import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-from conftest import tiny_orthrus
+from conftest import perturb_head, tiny_orthrus
 from lossless.dualview import block_visibility
-from lossless.training import DistillLoss, TrainConfig, choose_anchors, step_rng, train
+from lossless.errors import LosslessError
+from lossless.training import DistillLoss, FrozenCast, TrainConfig, choose_anchors, step_rng, train
 
 
 def synthetic_records(n: int = 8, seed: int = 0) -> list[dict]:
@@ -37,13 +42,13 @@ def test_one_step_lowers_the_loss_and_only_the_head_gets_gradients():
     loss_fn = DistillLoss(model, 4)
     head = list(model.head_parameters().values())
     opt = torch.optim.Adam(head, lr=1e-3)
-    loss0, n_pos = loss_fn(ids, n_prompt, anchors)
+    loss0, n_pos, _ = loss_fn(ids, n_prompt, anchors)
     assert n_pos > 0 and loss0.item() > 0
     loss0.backward()
     assert all(p.grad is None for p in model.backbone_parameters().values())
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in head)
     opt.step()
-    loss1, _ = loss_fn(ids, n_prompt, anchors)
+    loss1, _, _ = loss_fn(ids, n_prompt, anchors)
     assert loss1.item() < loss0.item()
     for n, p in model.backbone_parameters().items():
         assert torch.equal(p, before[n]), n
@@ -54,8 +59,8 @@ def test_untrained_head_kl_is_not_zero_but_ce_option_runs():
     rec = synthetic_records(1)[0]
     ids = rec["prompt_ids"] + rec["response_ids"]
     anchors = [6, 10, 14]
-    kl, _ = DistillLoss(model, 4, "kl")(ids, 6, anchors)
-    ce, _ = DistillLoss(model, 4, "ce")(ids, 6, anchors)
+    kl, _, _ = DistillLoss(model, 4, "kl")(ids, 6, anchors)
+    ce, _, _ = DistillLoss(model, 4, "ce")(ids, 6, anchors)
     assert kl.item() > 0 and ce.item() > 0
 
 
@@ -89,3 +94,148 @@ def test_two_process_ddp_run_keeps_processes_in_sync(tmp_path):
     assert r0["world"] == r1["world"] == 2
     assert torch.equal(r0["flat"], r1["flat"])
     assert (tmp_path / "head" / "head.safetensors").exists()
+
+
+def _head_state(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.head_parameters().items()}
+
+
+def test_bf16_autocast_lowers_the_loss_and_keeps_the_backbone_bitwise_frozen_in_fp32(tmp_path):
+    model = tiny_orthrus("qwen3", k=4)
+    frozen = {n: p.detach().clone() for n, p in model.backbone_parameters().items()}
+    records = synthetic_records(4)
+    rec = records[0]
+    ids, n_prompt = rec["prompt_ids"] + rec["response_ids"], len(rec["prompt_ids"])
+    anchors = choose_anchors(step_rng(0, 0), n_prompt, len(ids), 8)
+    before = DistillLoss(model, 4)(ids, n_prompt, anchors)[0].item()
+    cfg = TrainConfig(out=str(tmp_path / "h"), k=4, steps=12, lr=3e-3, warmup=1, seqs_per_step=2, anchors=8,
+                      save_every=0, eval_every=0, autocast="bf16")
+    train(model, records, cfg, progress=False)
+    after = DistillLoss(model, 4)(ids, n_prompt, anchors)[0].item()
+    assert after < 0.9 * before, (before, after)
+    for n, p in model.backbone_parameters().items():  # fp32 again after training, and untouched
+        assert p.dtype == torch.float32 and torch.equal(p, frozen[n]), n
+    assert all(p.dtype == torch.float32 for p in model.head_parameters().values())
+
+
+def test_frozen_cast_runs_products_in_bf16_and_restores_the_fp32_weights():
+    model = tiny_orthrus("llama", k=4)
+    weight = model.backbone.model.layers[0].mlp.up_proj.weight
+    cast = FrozenCast(model, torch.bfloat16)
+    with cast.step():
+        assert weight.dtype == torch.bfloat16
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
+    assert weight.dtype == torch.float32
+    assert FrozenCast(model, None).params == []
+
+
+def test_a_sigterm_mid_step_in_bf16_leaves_a_checkpoint_that_resumes_bit_for_bit(tmp_path, monkeypatch):
+    cfg = dict(k=4, steps=6, lr=1e-3, warmup=2, seqs_per_step=3, anchors=4, save_every=0, eval_every=0,
+               autocast="bf16")
+    straight = tiny_orthrus("llama", k=4)
+    train(straight, synthetic_records(), TrainConfig(out=str(tmp_path / "a"), **cfg), progress=False)
+
+    calls = {"n": 0}
+    forward = DistillLoss.forward
+
+    def interrupted_forward(self, *args):
+        calls["n"] += 1
+        if calls["n"] == 3 * 3 + 2:  # the second sequence of step 4
+            os.kill(os.getpid(), signal.SIGTERM)
+        return forward(self, *args)
+
+    monkeypatch.setattr(DistillLoss, "forward", interrupted_forward)
+    cut = tiny_orthrus("llama", k=4)
+    with pytest.raises(KeyboardInterrupt):
+        train(cut, synthetic_records(), TrainConfig(out=str(tmp_path / "b"), **cfg), progress=False)
+    monkeypatch.setattr(DistillLoss, "forward", forward)
+    state = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)
+    assert state["step"] == 3 and len(state["history"]) == 3
+    assert all(p.dtype == torch.float32 for p in cut.backbone_parameters().values())
+    resumed = tiny_orthrus("llama", k=4)
+    summary = train(resumed, synthetic_records(), TrainConfig(out=str(tmp_path / "b"), **cfg), resume=True,
+                    progress=False)
+    assert summary["steps"] == 6
+    for (n, p), (_, q) in zip(straight.head_parameters().items(), resumed.head_parameters().items()):
+        assert torch.equal(p, q), n
+
+
+def test_the_mask_embedding_has_its_own_learning_rate(tmp_path):
+    model = tiny_orthrus("llama", k=4)
+    before = _head_state(model)
+    cfg = TrainConfig(out=str(tmp_path / "h"), k=4, steps=2, lr=1e-3, warmup=1, seqs_per_step=2, anchors=4,
+                      save_every=0, eval_every=0, mask_lr_mult=0.0, autocast="off")
+    train(model, synthetic_records(), cfg, progress=False)
+    after = _head_state(model)
+    assert torch.equal(before["mask_embedding"], after["mask_embedding"])
+    assert any(not torch.equal(before[n], after[n]) for n in before if n != "mask_embedding")
+
+
+def test_position_decay_weights_block_positions():
+    model = tiny_orthrus("llama", k=4)
+    rec = synthetic_records(1)[0]
+    ids, n_prompt = rec["prompt_ids"] + rec["response_ids"], len(rec["prompt_ids"])
+    anchors = [6, 10, 14, 20]
+    losses = {d: DistillLoss(model, 4, position_decay=d)(ids, n_prompt, anchors)[0].item() for d in (1.0, 1e-9, 1e9)}
+    # decay -> 0 leaves position 0 alone, decay -> inf the last position: with an untrained head their KLs
+    # differ, and the even weighting lies between them
+    lo, hi = sorted((losses[1e-9], losses[1e9]))
+    assert lo < losses[1.0] < hi
+    with pytest.raises(LosslessError, match="position-decay"):
+        DistillLoss(model, 4, position_decay=0.0)
+
+
+def test_the_log_holds_tokens_positions_and_evaluations_and_publish_gets_the_best_head(tmp_path):
+    model = tiny_orthrus("llama", k=4)
+    cfg = TrainConfig(out=str(tmp_path / "h"), k=4, steps=4, lr=1e-3, warmup=1, seqs_per_step=2, anchors=4,
+                      save_every=2, eval_every=2, eval_tokens=8, log=str(tmp_path / "log.jsonl"),
+                      publish=str(tmp_path / "best"), autocast="off")
+    train(model, synthetic_records(), cfg, heldout=[[1, 5, 9, 3]], progress=False)
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4]
+    assert all(b["tokens"] > a["tokens"] and b["positions"] > a["positions"] for a, b in zip(log, log[1:]))
+    assert "heldout_tokens_per_step" in log[1] and len(log[1]["agree"]) == 3
+    assert (tmp_path / "best" / "head.json").exists()  # the first evaluation always beats "none yet"
+
+
+def test_the_learning_curve_fits_a_trend_and_predicts_ten_times_the_tokens(tmp_path):
+    from lossless.curve import write_curve
+
+    # a log whose tokens per cycle rises by 0.1 per decade of tokens: the fit must find slope 0.1
+    history = []
+    for step in range(1, 41):
+        rec = {"step": step, "loss": 3.0 - step * 0.01, "lr": 1e-3, "tokens": step * 1000, "positions": step * 700}
+        if step % 10 == 0:
+            rec["heldout_tokens_per_step"] = 2.0 + 0.1 * math.log10(step * 1000)
+            rec["agree"] = [0.8, 0.4, 0.1]
+        history.append(rec)
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in history))
+    curves = write_curve([log], tmp_path / "out", ["run"])
+    trend = curves["run"]["trend"]
+    assert abs(trend["b"] - 0.1) < 1e-9 and abs(trend["a"] - 2.0) < 1e-9
+    assert abs(trend["predicted_10x"] - (2.0 + 0.1 * math.log10(400_000))) < 1e-9
+    assert (tmp_path / "out" / "learning_curve.png").stat().st_size > 1000
+    table = (tmp_path / "out" / "learning_curve.md").read_text()
+    assert "| 40 | 40,000 |" in table and "0.80 0.40 0.10" in table
+
+
+
+def test_publish_leaves_a_head_that_is_already_there_unless_beaten(tmp_path):
+    # the publish directory holds this very head: a run whose head does not change cannot beat it
+    tiny_orthrus("llama", k=4).save_head(tmp_path / "pub")
+    before = (tmp_path / "pub" / "head.json").read_text()
+    model = tiny_orthrus("llama", k=4)
+    perturb_head(model, 3.0)  # the model in training drafts worse than the published head ...
+    own = {n: p.detach().clone() for n, p in model.head_parameters().items()}
+    cfg = TrainConfig(out=str(tmp_path / "run"), k=4, steps=2, lr=0.0, warmup=1, seqs_per_step=2, anchors=4,
+                      save_every=0, eval_every=2, eval_tokens=16, autocast="off", publish=str(tmp_path / "pub"))
+    summary = train(model, synthetic_records(), cfg, heldout=[[1, 5, 9, 3], [7, 7, 2]], progress=False)
+    # ... and measuring the published head did not leave it in the model (lr 0: nothing else moves it)
+    assert all(torch.equal(p, own[n]) for n, p in model.head_parameters().items())
+    from lossless.training import heldout_tokens_per_step
+
+    ours = summary["history"][-1]["heldout_tokens_per_step"]
+    theirs = round(heldout_tokens_per_step(tiny_orthrus("llama", k=4), [[1, 5, 9, 3], [7, 7, 2]], 16, 4), 4)
+    assert ours < theirs
+    assert (tmp_path / "pub" / "head.json").read_text() == before

@@ -33,9 +33,7 @@ import json
 import math
 import os
 import platform
-import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -429,7 +427,7 @@ def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, comma
     if launcher is not None:
         launcher.wait_for_everyone()  # run.json exists (or the mismatch was raised) before any shard works
         open_run(run_dir, cfg, planned, command or sys.argv)
-    store = RecordStore(run_dir, writer_name(shard_t))
+    store = RecordStore(run_dir, writer_name(shard_t), roll_seconds=roll_seconds)
     existing = read_records(run_dir)
     done = {r["key"] for r in existing}
     machine = machine_id()
@@ -443,11 +441,9 @@ def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, comma
         return [c for c in cfg.candidates if not all(k in done for k in item_keys(prompt["id"], dtype, attn, c))]
 
     todo = [(w, m) for w in mine if (m := missing(w))]
-    bar = tqdm(total=len(mine), initial=len(mine) - len(todo), desc="audit pairs", unit="item", disable=not progress)
     n_new = 0
-    last_roll = time.monotonic()
-    restore = _stop_cleanly_on_sigterm()
-    try:
+    with store.session(), tqdm(total=len(mine), initial=len(mine) - len(todo), desc="audit pairs", unit="item",
+                               disable=not progress) as bar:
         for (prompt, dtype, attn), names in todo:
             for kernel in reference_kernels(attn):
                 if (dtype, kernel) not in models:
@@ -464,28 +460,8 @@ def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, comma
             n_new += len(records)
             bar.set_postfix(match=f"{sum(r['exact_match'] for r in records)}/{len(records)}")
             bar.update(1)
-            if time.monotonic() - last_roll > roll_seconds:
-                store.roll()
-                last_roll = time.monotonic()
-    finally:
-        store.roll()
-        bar.close()
-        restore()
     return {"run_dir": str(run_dir), "records_dir": str(store.dir), "writer": store.writer, "new_records": n_new,
             "shard_items": len(mine), "planned_records": planned}
-
-
-def _stop_cleanly_on_sigterm():
-    """Make SIGTERM (what `kill`, schedulers and session ends send) stop the run like Ctrl-C: the item in
-    flight is dropped and the records are rolled into a segment. Returns a function restoring the old handler."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-
-    def stop(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def locate_head(model: str, head: str | None, digest: str) -> str | Path | None:

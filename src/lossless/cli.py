@@ -83,6 +83,34 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _distill_inputs(args) -> tuple[str, list[dict]]:
+    """The prompt file and its prompts, checked against every evaluation set before any model loads."""
+    from . import distill, paths, reserved
+
+    prompts_file = str(args.prompts or paths.TRAIN_PROMPTS)
+    prompts = distill.read_prompts(prompts_file)
+    reserved.check_disjoint_all([p["prompt"] for p in prompts], skip={reserved.TRAINING_SET})
+    return prompts_file, prompts
+
+
+def cmd_distill(args) -> int:
+    from . import distill
+    from .audit import launcher_state, parse_shard
+    from .models import load_model
+
+    prompts_file, prompts = _distill_inputs(args)
+    launcher = None if args.shard else launcher_state()
+    shard = parse_shard(args.shard) if launcher is None else (launcher.process_index, launcher.num_processes)
+    distill.open_distillation(args.out, args.model, args.dtype, args.max_new_tokens, prompts_file)
+    model = load_model(args.model, args.dtype, args.device, head="none")
+    written = distill.generate_responses(model, prompts, args.out, args.max_new_tokens, args.batch,
+                                         progress=not args.no_progress, shard=shard)
+    records = distill.load_records(args.out)
+    print(json.dumps({"out": args.out, "written": written, "prompts": len(prompts), "responses": len(records),
+                      "response_tokens": sum(len(r["response_ids"]) for r in records)}))
+    return 0
+
+
 def cmd_train(args) -> int:
     from accelerate import Accelerator
 
@@ -92,30 +120,39 @@ def cmd_train(args) -> int:
     cfg = training.TrainConfig(
         model=args.model, out=args.out, k=args.k, steps=args.steps, lr=args.lr, warmup=args.warmup, loss=args.loss,
         seed=args.seed, seqs_per_step=args.seqs_per_step, anchors=args.anchors, save_every=args.save_every,
-        eval_every=args.eval_every, eval_prompts=args.eval_prompts, dtype=args.dtype, encoding=args.encoding,
-        data=list(args.data), prompts=str(args.prompts or paths.TRAIN_PROMPTS), max_new_tokens=args.max_new_tokens,
-        distill_batch=args.distill_batch)
+        eval_every=args.eval_every, eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens, dtype=args.dtype,
+        encoding=args.encoding, data=list(args.data), prompts=str(args.prompts or paths.TRAIN_PROMPTS),
+        max_new_tokens=args.max_new_tokens, distill_batch=args.distill_batch, autocast=args.autocast,
+        position_decay=args.position_decay, mask_lr_mult=args.mask_lr_mult, log=args.log or "",
+        publish=args.publish or "")
     if cfg.k < 2:
         raise LosslessError("--k must be >= 2 to train a drafter")
     out = Path(cfg.out)
     if (out / training.CHECKPOINT).exists() and not args.resume:
         raise LosslessError(f"{out} already holds a training run: add --resume to continue it, or choose another --out")
     # every input is checked before the model loads
-    prompts = distill.read_prompts(cfg.prompts)
-    suite = distill.read_prompts(paths.require(paths.DEFAULT_SUITE, "the default audit suite"))
-    distill.check_disjoint([p["prompt"] for p in prompts], [p["prompt"] for p in suite])
+    _, prompts = _distill_inputs(args)
     if cfg.eval_prompts:
         paths.require(paths.HELDOUT_PROMPTS, "the held-out prompts")
     distill.text_files(cfg.data)
+    if args.distill_dir:  # responses made by `lossless distill`: read only
+        data_dir = Path(args.distill_dir)
+        distill.check_source(data_dir, cfg.prompts)
     accelerator = Accelerator(cpu=args.device == "cpu")
     # the head to train starts untrained (copies of the AR weights), never from a shipped head
     model = load_model(cfg.model, cfg.dtype, str(accelerator.device), head="none", k=cfg.k)
-    records_path = distill.records_path(cfg.model, cfg.prompts, cfg.max_new_tokens)
-    if accelerator.is_main_process:
-        distill.generate_responses(model, prompts, records_path, cfg.max_new_tokens, cfg.distill_batch,
-                                   progress=not args.no_progress)
-    accelerator.wait_for_everyone()
-    done = {r["id"]: r for r in distill.load_records(records_path)}
+    if not args.distill_dir:
+        data_dir = distill.default_dir(cfg.model, cfg.prompts, cfg.max_new_tokens, cfg.dtype)
+        if accelerator.is_main_process:
+            distill.open_distillation(data_dir, cfg.model, cfg.dtype, cfg.max_new_tokens, cfg.prompts)
+            distill.generate_responses(model, prompts, data_dir, cfg.max_new_tokens, cfg.distill_batch,
+                                       progress=not args.no_progress)
+        accelerator.wait_for_everyone()
+    done = {r["key"]: r for r in distill.load_records(data_dir)}
+    missing = sum(p["id"] not in done for p in prompts)
+    if missing and accelerator.is_main_process:
+        print(f"note: {missing} of {len(prompts)} prompts have no response in {data_dir} yet; training on the rest",
+              file=sys.stderr)
     records = [done[p["id"]] for p in prompts if p["id"] in done]
     if cfg.data:
         records += distill.text_records(cfg.data, model.tokenizer)
@@ -123,7 +160,9 @@ def cmd_train(args) -> int:
     if cfg.eval_prompts:
         from .text import encode_prompt
 
-        heldout = [encode_prompt(model.tokenizer, p["prompt"]) for p in distill.read_prompts(paths.HELDOUT_PROMPTS)[: cfg.eval_prompts]]
+        # the last held-out prompts: the speed benchmark's (the first ones) never choose a head
+        heldout = [encode_prompt(model.tokenizer, p["prompt"])
+                   for p in distill.read_prompts(paths.HELDOUT_PROMPTS)[-cfg.eval_prompts:]]
     model.train(False)
     summary = training.train(model, records, cfg, heldout=heldout, resume=args.resume, accelerator=accelerator,
                              progress=not args.no_progress, stop_at=args.stop_at)
@@ -134,6 +173,19 @@ def cmd_train(args) -> int:
         last = summary["history"][-1] if summary["history"] else {}
         print(json.dumps({"out": str(out), "steps": summary["steps"], "seconds": round(summary["seconds"], 1),
                           "tokens": summary["tokens"], "last": last}), file=sys.stdout)
+    return 0
+
+
+def cmd_curve(args) -> int:
+    from .curve import write_curve
+
+    labels = args.labels.split(",") if args.labels else None
+    if labels and len(labels) != len(args.logs):
+        raise LosslessError(f"--labels names {len(labels)} curves for {len(args.logs)} logs; give one label per log")
+    curves = write_curve(args.logs, args.out, labels)
+    print(json.dumps({label: {"evaluations": len(c["evaluations"]),
+                              "last": c["evaluations"][-1]["heldout_tokens_per_step"], "trend": c["trend"]}
+                      for label, c in curves.items()}))
     return 0
 
 
@@ -255,6 +307,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the text to continue")
     g.set_defaults(func=cmd_generate)
 
+    d = sub.add_parser("distill", help="generate self-distillation responses (greedy) into a record directory")
+    _add_model_args(d, "bf16", head=False, attn=False)
+    d.add_argument("--prompts", default=None, help="JSONL prompts {id, prompt} (default: the shipped training prompts)")
+    d.add_argument("--out", required=True, help="record directory (resumes; segments can be committed)")
+    d.add_argument("--max-new-tokens", type=int, default=128, help="length of each response")
+    d.add_argument("--batch", type=int, default=32, help="prompts per generate call")
+    d.add_argument("--shard", default=None, help="i/n: this process takes every n-th prompt from the i-th "
+                                                  "(default: from the rank under accelerate launch, else all)")
+    d.add_argument("--no-progress", action="store_true", help="no progress bars")
+    d.set_defaults(func=cmd_distill)
+
     t = sub.add_parser("train", help="train a draft head by distillation (backbone frozen)")
     _add_model_args(t, head=False, attn=False)
     t.add_argument("--out", required=True, help="head directory to write (checkpoint + head files)")
@@ -272,12 +335,28 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts per evaluation (0 = none)")
     t.add_argument("--max-new-tokens", type=int, default=128, help="length of self-distillation responses")
     t.add_argument("--distill-batch", type=int, default=16, help="prompts per batch when generating responses")
+    t.add_argument("--distill-dir", default=None,
+                   help="record directory of the responses (e.g. made by `lossless distill`; default: the user cache)")
+    t.add_argument("--eval-tokens", type=int, default=64, help="tokens per held-out prompt at each evaluation")
+    t.add_argument("--autocast", default="auto", choices=["auto", "bf16", "off"],
+                   help="products in bf16 with fp32 head weights (auto: where the CPU multiplies bf16 natively, or CUDA)")
+    t.add_argument("--position-decay", type=float, default=1.0, help="loss weight of block position j: decay**j")
+    t.add_argument("--mask-lr-mult", type=float, default=1.0, help="the mask embedding's learning rate / --lr")
+    t.add_argument("--log", default=None, help="JSONL training log, rewritten at every checkpoint (e.g. under results/)")
+    t.add_argument("--publish", default=None,
+                   help="head directory written whenever held-out tokens per cycle beats every earlier evaluation")
     t.add_argument("--encoding", default="full", choices=["full", "delta_int8"], help="how the head is stored")
     t.add_argument("--seed", type=int, default=0, help="seed of data order and anchors")
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     t.add_argument("--stop-at", type=int, default=None, help="leave after this step with a checkpoint (resume later)")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_train)
+
+    c = sub.add_parser("curve", help="learning curve of draft-head training logs: plot, table, fitted trend")
+    c.add_argument("logs", nargs="+", help="training logs (`lossless train --log`)")
+    c.add_argument("--out", required=True, help="directory for learning_curve.png and learning_curve.md")
+    c.add_argument("--labels", default=None, help="comma-separated curve names, one per log")
+    c.set_defaults(func=cmd_curve)
 
     a = sub.add_parser("audit", help="AR vs Orthrus (or any candidate decoder) trajectories over a prompt suite, "
                                      "appended to a run directory")

@@ -1,8 +1,12 @@
-"""Self-distillation data: the frozen model's own greedy responses to a prompt set, cached on disk.
+"""Self-distillation data: the frozen model's own greedy responses to a prompt set, kept as records.
 
 Responses are generated in left-padded batches with Hugging Face `generate` (greedy, chat template as
-in `lossless generate`) and appended to a JSONL file one record per prompt, so an interrupted run
-resumes where it stopped. Records: `{"id", "prompt_ids", "response_ids"}`.
+in `lossless generate`) into a record store (`records.RecordStore`): one record per prompt,
+`{"key": prompt id, "prompt_ids", "response_ids"}`, appended after every batch and rolled into gzip
+segments, so an interrupted run resumes where it stopped, on this machine or, from committed segments,
+on another. Several processes (`--shard`, or ranks under `accelerate launch`) split the prompts.
+`meta.json` names what the responses are (model, dtype, length, prompt file); a directory is never
+filled from two different set-ups.
 
 Also checks that training prompts are disjoint from an audit suite (normalised text equality), and
 reads plain-text training data (`text_records`).
@@ -10,6 +14,7 @@ reads plain-text training data (`text_records`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -17,9 +22,12 @@ import torch
 from tqdm import tqdm
 
 from .errors import LosslessError
-from .jsonio import read_jsonl
+from .jsonio import atomic_write, read_jsonl
 from .model import OrthrusLM
+from .records import RecordStore, read_records, writer_name
 from .text import encode_prompt
+
+META = "meta.json"
 
 
 def normalise(text: str) -> str:
@@ -47,26 +55,60 @@ def check_disjoint(train_prompts: list[str], suite_prompts: list[str], what: str
         )
 
 
-def load_records(path: str | Path) -> list[dict]:
-    """Completed records of a distillation file; a torn last line (killed run) is ignored."""
-    path = Path(path)
-    return read_jsonl(path, skip_bad_lines=True) if path.exists() else []
+def load_records(out_dir: str | Path) -> list[dict]:
+    """The responses a distillation directory holds (segments and plain files; a torn last line ignored)."""
+    return read_records(out_dir) if Path(out_dir).is_dir() else []
+
+
+def _sha(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def open_distillation(out_dir: str | Path, model: str, dtype: str, max_new_tokens: int, prompts: str | Path) -> dict:
+    """Write `meta.json` on first use; afterwards refuse a different set-up in the same directory."""
+    out_dir = Path(out_dir)
+    meta = {"model": Path(model).name, "dtype": dtype, "max_new_tokens": max_new_tokens,
+            "prompts": Path(prompts).name, "prompts_sha256": _sha(prompts)}
+    path = out_dir / META
+    if path.exists():
+        have = json.loads(path.read_text())
+        diff = [f"{k} {have.get(k)!r} != {v!r}" for k, v in meta.items() if have.get(k) != v]
+        if diff:
+            raise LosslessError(f"{out_dir} holds responses of another set-up ({'; '.join(diff)}); choose another directory")
+    else:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def check_source(out_dir: str | Path, prompts: str | Path) -> dict:
+    """The meta of a distillation directory made from the prompt file `prompts`; refuses anything else."""
+    path = Path(out_dir) / META
+    if not path.exists():
+        raise LosslessError(f"{out_dir} holds no responses: make them with `lossless distill --out {out_dir}`")
+    meta = json.loads(path.read_text())
+    if meta.get("prompts_sha256") != _sha(prompts):
+        raise LosslessError(f"{out_dir} holds responses to another prompt file than {prompts}; pass the --prompts "
+                            f"it was made from ({meta.get('prompts')})")
+    return meta
 
 
 @torch.no_grad()
-def generate_responses(model: OrthrusLM, prompts: list[dict], out_path: str | Path, max_new_tokens: int = 128,
-                       batch_size: int = 16, progress: bool = True) -> list[dict]:
-    """Greedy responses for every prompt not yet in `out_path`; returns all records."""
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = {r["id"] for r in load_records(out_path)}
-    todo = [p for p in prompts if p["id"] not in done]
-    # longest prompts together: less padding per batch
+def generate_responses(model: OrthrusLM, prompts: list[dict], out_dir: str | Path, max_new_tokens: int = 128,
+                       batch_size: int = 16, progress: bool = True, shard: tuple[int, int] = (0, 1),
+                       roll_seconds: float = 600.0) -> int:
+    """Greedy responses for this shard's prompts not yet in `out_dir`. Returns how many were written."""
+    done = {r["key"] for r in load_records(out_dir)}
+    i, n = shard
+    todo = [p for j, p in enumerate(prompts) if j % n == i and p["id"] not in done]
+    # prompts of similar length together: less padding per batch
     encoded = sorted(((p["id"], encode_prompt(model.tokenizer, p["prompt"])) for p in todo), key=lambda x: len(x[1]))
     pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else model.eos_token_ids()[0]
     eos = model.eos_token_ids()
-    bar = tqdm(total=len(encoded), desc="self-distillation responses", unit="prompt", disable=not progress)
-    with open(out_path, "a", encoding="utf-8") as f:
+    store = RecordStore(out_dir, writer_name(shard), roll_seconds=roll_seconds)
+    written = 0
+    with store.session(), tqdm(total=len(encoded), desc="self-distillation responses", unit="prompt",
+                               disable=not progress) as bar:
         for start in range(0, len(encoded), batch_size):
             batch = encoded[start:start + batch_size]
             width = max(len(ids) for _, ids in batch)
@@ -74,24 +116,25 @@ def generate_responses(model: OrthrusLM, prompts: list[dict], out_path: str | Pa
             attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch], device=model.device)
             out = model.backbone.generate(input_ids=input_ids, attention_mask=attention, do_sample=False,
                                           max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+            records = []
             for (pid, ids), row in zip(batch, out[:, width:].tolist()):
                 response = []
                 for tok in row:
                     response.append(tok)
                     if tok in eos:
                         break
-                f.write(json.dumps({"id": pid, "prompt_ids": ids, "response_ids": response}) + "\n")
-            f.flush()
+                records.append({"key": pid, "prompt_ids": ids, "response_ids": response})
+            store.append(records)
+            written += len(records)
             bar.update(len(batch))
-    bar.close()
-    return load_records(out_path)
+    return written
 
 
-def records_path(model: str, prompts: str | Path, max_new_tokens: int) -> Path:
-    """Where the self-distillation responses of `model` to a prompt file are cached."""
+def default_dir(model: str, prompts: str | Path, max_new_tokens: int, dtype: str) -> Path:
+    """Where responses go when no directory is named: the user cache (`--distill-dir` keeps them in a checkout)."""
     from .models import cache_dir
 
-    return cache_dir() / "distill" / f"{Path(model).name}__{Path(prompts).stem}__{max_new_tokens}.jsonl"
+    return cache_dir() / "distill" / f"{Path(model).name}__{Path(prompts).stem}__{max_new_tokens}__{dtype}"
 
 
 def text_files(paths: list[str]) -> list[Path]:

@@ -176,6 +176,12 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_multiplies_natively(dtype: torch.dtype) -> bool:
+    """Whether this CPU has wide-SIMD (or AMX) instructions for `dtype` products; where it has not, torch
+    emulates them (bf16 then costs several times fp32)."""
+    return any(f in _cpu_flags() for f in _NATIVE_FLAGS.get(dtype, ()))
+
+
 def default_row_group(dtype: torch.dtype) -> int:
     """Rows per GEMM in exact mode: $LOSSLESS_EXACT_ROW_GROUP if set, else 8 where this CPU multiplies
     `dtype` natively in wide SIMD and 1 where it does not (there a bf16 GEMM of 8 rows costs about 8
@@ -186,7 +192,7 @@ def default_row_group(dtype: torch.dtype) -> int:
     env = os.environ.get(ROW_GROUP_ENV)
     if env:
         return positive_int(env, f"{ROW_GROUP_ENV} must be a positive integer, got {env!r}")
-    return ROW_GROUP if any(f in _cpu_flags() for f in _NATIVE_FLAGS.get(dtype, ())) else 1
+    return ROW_GROUP if cpu_multiplies_natively(dtype) else 1
 
 
 _STOCK: ContextVar[bool] = ContextVar("lossless_stock_kernels", default=False)

@@ -239,10 +239,16 @@ class OrthrusLM(nn.Module):
                      spec: DraftSpec | None = None) -> torch.Tensor:
         """Draft view over block embeddings [1, q, d] at `position_ids` [1, q]. Returns logits [q, V].
         Drafts only propose, so they run on stock kernels even in exact mode."""
+        return self.draft_logits(self.draft_states(embeds, position_ids, cache, spec))
+
+    def draft_states(self, embeds: torch.Tensor, position_ids: torch.Tensor, cache=None,
+                     spec: DraftSpec | None = None) -> torch.Tensor:
+        """The draft view's last hidden states [q, d] (before the LM head), for callers that need logits on
+        some rows only (training)."""
         with exact.stock_kernels():
             out = self.backbone.model(inputs_embeds=embeds, position_ids=position_ids, cache=cache, use_cache=False,
                                       orthrus_draft=spec or DraftSpec())
-            return self.backbone.lm_head(out.last_hidden_state)[0]
+        return out.last_hidden_state[0]
 
     @torch.no_grad()
     def draft(self, cache: DynamicCache, last_token: int, k: int) -> torch.Tensor:
@@ -287,10 +293,9 @@ class OrthrusLM(nn.Module):
         assert cache.get_seq_length() == pos + v, "a fused forward writes exactly its verify rows"
         return self.backbone.lm_head(hidden[:v]), hidden[v:].reshape(g, rows, hidden.shape[-1])[:, 1:]
 
-    @torch.no_grad()
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head over draft rows chosen after acceptance: hidden [m, d] -> logits [m, V]. Drafts only
-        propose, so stock kernels serve them even in exact mode."""
+        """LM head over draft rows: hidden [m, d] -> logits [m, V]. Drafts only propose, so stock kernels
+        serve them even in exact mode."""
         with exact.stock_kernels():
             return self.backbone.lm_head(hidden)
 

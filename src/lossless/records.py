@@ -20,10 +20,13 @@ This module knows files and keys only; what a record holds is the audit's busine
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
 import re
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -104,11 +107,14 @@ def read_records(run_dir: str | Path, at_rest: bool = False) -> list[dict]:
 class RecordStore:
     """One writer's records: repair its plain file on opening, append items, roll them into segments."""
 
-    def __init__(self, run_dir: str | Path, writer: str):
+    def __init__(self, run_dir: str | Path, writer: str, roll_seconds: float | None = None):
+        """roll_seconds: `append` also rolls once this long has passed since the last roll (None: never)."""
         self.run_dir = Path(run_dir)
         self.dir = self.run_dir / RECORDS_DIR
         self.writer = writer
         self.plain = self.dir / f"{writer}.jsonl"
+        self.roll_seconds = roll_seconds
+        self._last_roll = time.monotonic()
         self.dir.mkdir(parents=True, exist_ok=True)
         self._repair()
 
@@ -136,9 +142,24 @@ class RecordStore:
             f.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
             f.flush()
             os.fsync(f.fileno())
+        if self.roll_seconds is not None and time.monotonic() - self._last_roll > self.roll_seconds:
+            self.roll()
+
+    @contextlib.contextmanager
+    def session(self):
+        """The records of one run: however it ends (finished, failed, Ctrl-C, or SIGTERM, which `kill`,
+        schedulers and session ends send and which here stops the run like Ctrl-C), what the plain file
+        holds is rolled into a segment. The item in flight is dropped, never half-written."""
+        restore = _stop_cleanly_on_sigterm()
+        try:
+            yield self
+        finally:
+            self.roll()
+            restore()
 
     def roll(self) -> Path | None:
         """Move the plain file's records into a new gzip segment; returns it (None when there was nothing)."""
+        self._last_roll = time.monotonic()
         if not self.plain.exists() or self.plain.stat().st_size == 0:
             return None
         lines = list(_lines(self.plain))
@@ -156,3 +177,15 @@ class RecordStore:
         # only now forget them; a kill before this line leaves duplicates that readers drop
         atomic_write(self.plain, b"")
         return seg
+
+
+def _stop_cleanly_on_sigterm():
+    """Make SIGTERM raise KeyboardInterrupt in the main thread. Returns a function restoring the old handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    return lambda: signal.signal(signal.SIGTERM, previous)

@@ -1,16 +1,29 @@
 """Training the draft head by distillation from the frozen AR view.
 
 Per training sequence (prompt + the model's own greedy response):
-1. teacher: one AR pass without gradients gives every layer's keys/values and the teacher logits;
+1. teacher: one AR pass without gradients gives every layer's keys/values, and the teacher logits on
+   the rows some block needs;
 2. draft: `anchors` blocks `[x_a, MASK x (k-1)]` at random anchor positions a in the response run in one
    draft-view pass; each block attends to AR keys strictly before its anchor and bidirectionally to
    itself (`dualview.block_visibility`);
 3. loss: forward KL(p_AR || q_draft) (or cross-entropy on the teacher's argmax) at block positions
-   0..k-2, whose targets are the AR distributions at positions a..a+k-2.
+   0..k-2, whose targets are the AR distributions at positions a..a+k-2, weighted `position_decay`^j at
+   block position j (1 = all alike). The LM head runs only on rows whose logits the loss uses.
+
+Mixed precision (`autocast="bf16"`, the default where the CPU multiplies bf16 natively, or on CUDA):
+the frozen backbone's weights are swapped for bf16 copies made once (no per-call casts), the head's
+weights and optimiser state stay fp32, and products run in bf16 under `torch.autocast`. Outside a
+step (evaluation, saving) the model is whole fp32 again.
 
 Only head parameters train; the backbone is frozen. Step s draws its sequences and anchors from an RNG
-seeded by (seed, s), so `--resume` continues bit for bit from a checkpoint. Runs under
-`accelerate launch` (DDP; gloo on CPU): each process takes its share of a step's sequences.
+seeded by (seed, s), so `--resume` continues bit for bit from a checkpoint (also after a step that a
+Ctrl-C or SIGTERM cut short: the checkpoint holds the last finished step). Runs under `accelerate
+launch` (DDP; gloo on CPU): each process takes its share of a step's sequences.
+
+The history (one record per step: loss, lr, tokens and positions seen, held-out tokens per cycle at
+evaluations, top-1 agreement by block position) is written to `log` at every save. `publish`, if set,
+receives the head whenever held-out tokens per cycle beats every earlier evaluation and the head
+already there (measured on the same prompts when training starts).
 
 This module does not generate the distillation data (see `distill.py`) or parse arguments.
 """
@@ -21,6 +34,8 @@ import contextlib
 import json
 import math
 import random
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,7 +47,7 @@ from tqdm import tqdm
 
 from .dualview import DraftSpec, additive_mask, block_visibility
 from .errors import LosslessError
-from .jsonio import atomic_write
+from .jsonio import atomic_write, jsonl_text
 from .model import OrthrusLM
 
 CHECKPOINT = "checkpoint.pt"
@@ -60,6 +75,83 @@ class TrainConfig:
     prompts: str = ""
     max_new_tokens: int = 128
     distill_batch: int = 16
+    autocast: str = "auto"  # "auto" | "bf16" | "off"
+    position_decay: float = 1.0  # loss weight of block position j is position_decay**j
+    mask_lr_mult: float = 1.0  # the mask embedding's learning rate, as a multiple of lr
+    log: str = ""  # JSONL training log, rewritten at every save
+    publish: str = ""  # head directory written whenever held-out tokens per cycle improves
+
+
+AUTOCAST = ("auto", "bf16", "off")
+
+
+def resolve_autocast(choice: str, device: torch.device) -> torch.dtype | None:
+    """The dtype products run in during training steps (None: the model's own)."""
+    from .exact import cpu_multiplies_natively
+
+    if choice not in AUTOCAST:
+        raise LosslessError(f"unknown --autocast '{choice}': choose one of {', '.join(AUTOCAST)}")
+    if choice == "off":
+        return None
+    if choice == "bf16" or device.type == "cuda" or cpu_multiplies_natively(torch.bfloat16):
+        return torch.bfloat16
+    return None  # auto on a CPU that emulates bf16: fp32 is faster there
+
+
+class StopFlag:
+    """Set by Ctrl-C or SIGTERM while training: the loop stops between sequences, never inside an update."""
+
+    requested = False
+
+
+@contextlib.contextmanager
+def stop_between_steps():
+    flag = StopFlag()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+
+    def request(signum, frame):
+        flag.requested = True
+
+    previous = {s: signal.signal(s, request) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield flag
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+class FrozenCast:
+    """The frozen backbone's weights in a lower precision during training steps, fp32 outside them.
+
+    Copies are made once; entering swaps each frozen parameter's storage for its copy (no copy per step
+    or per call), leaving restores the originals, so evaluation, saving and the head's int8 deltas see the
+    exact fp32 backbone."""
+
+    def __init__(self, model: OrthrusLM, dtype: torch.dtype | None):
+        self.dtype = dtype
+        frozen = model.backbone_parameters().values() if dtype is not None else []
+        self.params = [p for p in frozen if p.is_floating_point() and p.dtype != dtype]
+        self.copies = [p.detach().to(dtype) for p in self.params]
+        self.originals: list[torch.Tensor] = []
+
+    @contextlib.contextmanager
+    def step(self):
+        if self.dtype is None:
+            yield
+            return
+        self.originals = [p.data for p in self.params]
+        for p, c in zip(self.params, self.copies):
+            p.data = c
+        try:
+            with torch.autocast(self.params[0].device.type if self.params else "cpu", dtype=self.dtype):
+                yield
+        finally:
+            for p, o in zip(self.params, self.originals):
+                p.data = o
+            self.originals = []
+
 
 
 def step_rng(seed: int, step: int, slot: int = 0) -> random.Random:
@@ -70,41 +162,53 @@ def step_rng(seed: int, step: int, slot: int = 0) -> random.Random:
 class DistillLoss(nn.Module):
     """Wraps an OrthrusLM so DDP sees one module whose forward returns the loss of one sequence."""
 
-    def __init__(self, model: OrthrusLM, k: int, loss: str = "kl"):
+    def __init__(self, model: OrthrusLM, k: int, loss: str = "kl", position_decay: float = 1.0):
         super().__init__()
         if loss not in ("kl", "ce"):
             raise LosslessError(f"unknown loss '{loss}': choose kl or ce")
+        if not position_decay > 0:
+            raise LosslessError(f"--position-decay must be > 0, got {position_decay}")
         self.model, self.k, self.loss = model, k, loss
+        self.register_buffer("weights", position_decay ** torch.arange(k - 1, dtype=torch.float32), persistent=False)
 
-    def forward(self, ids: list[int], n_prompt: int, anchors: list[int]) -> tuple[torch.Tensor, int]:
-        """Loss (mean over valid block positions) and number of positions, for one sequence."""
+    def forward(self, ids: list[int], n_prompt: int, anchors: list[int]) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """Loss (weighted mean over valid block positions), number of positions, and per block position
+        [2, k-1] the count of positions whose draft argmax equals the teacher's, and of positions."""
         m, k = self.model, self.k
         device = m.device
         seq = torch.tensor([ids], device=device)
         length = len(ids)
-        # 1. teacher: AR view without gradients; keys/values of every layer + logits
+        anchor_t = torch.tensor(anchors, device=device)
+        target_pos = anchor_t[:, None] + torch.arange(k - 1, device=device)  # [n, k-1]
+        valid = target_pos <= length - 2  # the target token lies inside the sequence
+        rows = target_pos[valid]
+        # 1. teacher: AR view without gradients; keys/values of every layer, logits on target rows only
         with torch.no_grad():
             cache = m.new_cache()
-            teacher_logits = m._lm_forward(seq, 0, cache).float()  # [L, V]
+            out = m.backbone.model(input_ids=seq, position_ids=torch.arange(length, device=device)[None],
+                                   cache=cache, use_cache=True)
+            p_logits = m.backbone.lm_head(out.last_hidden_state[0, rows]).float()  # [P, V]
             context = [(layer.keys, layer.values) for layer in cache.layers]
-        # 2. draft view over all blocks in one pass
-        anchor_t = torch.tensor(anchors, device=device)
+        # 2. draft view over all blocks in one pass; the LM head on the rows with a target only
         embeds = m.block_embeddings(seq[0, anchor_t], k)  # [1, n*k, d]
         positions = (anchor_t[:, None] + torch.arange(k, device=device)).reshape(1, -1)
         mask = additive_mask(block_visibility(anchors, k, length), m.dtype).to(device)
-        draft_logits = m.draft_hidden(embeds, positions, spec=DraftSpec(context_mask=mask, context=context))
-        draft_logits = draft_logits.float().view(len(anchors), k, -1)[:, : k - 1]  # [n, k-1, V]
-        # 3. targets: teacher rows a..a+k-2, kept where the target token lies inside the sequence
-        target_pos = anchor_t[:, None] + torch.arange(k - 1, device=device)  # [n, k-1]
-        valid = target_pos <= length - 2
-        q_logp = F.log_softmax(draft_logits[valid], dim=-1)
-        p_logits = teacher_logits[target_pos[valid]]
+        hidden = m.draft_states(embeds, positions, spec=DraftSpec(context_mask=mask, context=context))
+        hidden = hidden.view(len(anchors), k, -1)[:, : k - 1][valid]  # [P, d]
+        q_logp = F.log_softmax(m.draft_logits(hidden).float(), dim=-1)
+        # 3. loss per position, weighted by block position
         if self.loss == "kl":
-            p_logp = F.log_softmax(p_logits, dim=-1)
-            loss = (p_logp.exp() * (p_logp - q_logp)).sum(-1).mean()
+            per = F.kl_div(q_logp, F.log_softmax(p_logits, dim=-1), log_target=True, reduction="none").sum(-1)
         else:
-            loss = F.nll_loss(q_logp, p_logits.argmax(-1))
-        return loss, int(valid.sum())
+            per = F.nll_loss(q_logp, p_logits.argmax(-1), reduction="none")
+        slot = torch.arange(k - 1, device=device).expand_as(target_pos)[valid]
+        w = self.weights[slot]
+        loss = (per * w).sum() / w.sum()
+        with torch.no_grad():
+            hits = (q_logp.argmax(-1) == p_logits.argmax(-1)).float()
+            agree = torch.stack([torch.zeros(k - 1, device=device).index_add_(0, slot, hits),
+                                 torch.zeros(k - 1, device=device).index_add_(0, slot, torch.ones_like(hits))])
+        return loss, int(valid.sum()), agree
 
 
 def choose_anchors(rng: random.Random, n_prompt: int, length: int, n: int) -> list[int]:
@@ -139,6 +243,20 @@ def heldout_tokens_per_step(model: OrthrusLM, prompt_ids: list[list[int]], max_n
     return committed / max(steps, 1)
 
 
+def published_tokens_per_step(model: OrthrusLM, cfg: TrainConfig, heldout: list[list[int]]) -> float:
+    """Held-out tokens per cycle of the head in `cfg.publish`; the model's own head is restored after."""
+    own = {n: p.detach().clone() for n, p in model.head_parameters().items()}
+    identity = model.k, model.head_info, model.head_digest
+    try:
+        model.load_head(cfg.publish)
+        return heldout_tokens_per_step(model, heldout, cfg.eval_tokens, cfg.k)
+    finally:
+        with torch.no_grad():
+            for n, p in model.head_parameters().items():
+                p.copy_(own[n])
+        model.k, model.head_info, model.head_digest = identity
+
+
 def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list[list[int]] | None = None,
           resume: bool = False, accelerator=None, progress: bool = True, stop_at: int | None = None) -> dict:
     """Train `model`'s head on distillation `records` ({"prompt_ids", "response_ids"}). Returns a summary.
@@ -154,10 +272,14 @@ def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list
                  if len(r["response_ids"]) >= 2]
     if not sequences:
         raise LosslessError("no training sequences: the data holds no responses of 2 or more tokens")
-    head_params = list(model.head_parameters().values())
+    head = model.head_parameters()
     for p in model.backbone_parameters().values():
         p.requires_grad_(False)
-    optimizer = torch.optim.AdamW(head_params, lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
+    mask_params = [head["mask_embedding"]] if "mask_embedding" in head else []
+    groups = [{"params": [p for n, p in head.items() if n != "mask_embedding"], "lr": cfg.lr}]
+    if mask_params:
+        groups.append({"params": mask_params, "lr": cfg.lr * cfg.mask_lr_mult})
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     history: list[dict] = []
     start_step = 0
@@ -172,9 +294,14 @@ def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start_step, history = state["step"], state["history"]
-    loss_module = DistillLoss(model, cfg.k, cfg.loss)
+    cast = FrozenCast(model, resolve_autocast(cfg.autocast, model.device))
+    loss_module = DistillLoss(model, cfg.k, cfg.loss, cfg.position_decay)
     ddp, optimizer = accelerator.prepare(loss_module, optimizer)
     world, rank = accelerator.num_processes, accelerator.process_index
+    best = max((h["heldout_tokens_per_step"] for h in history if "heldout_tokens_per_step" in h), default=0.0)
+    if cfg.publish and heldout and accelerator.is_main_process and (Path(cfg.publish) / "head.json").exists():
+        # the head already there is the one to beat, measured now on the same prompts
+        best = max(best, published_tokens_per_step(model, cfg, heldout))
 
     def save(step: int) -> None:
         if not accelerator.is_main_process:
@@ -187,52 +314,81 @@ def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list
         torch.save(state, tmp)
         tmp.replace(ckpt_path)
         model.save_head(out, training={**asdict(cfg), "step": step, "history": history[-5:]}, encoding=cfg.encoding)
+        if cfg.log:
+            atomic_write(cfg.log, jsonl_text(history))
+
+    def publish(step: int) -> None:
+        if accelerator.is_main_process and cfg.publish:
+            model.save_head(cfg.publish, training={**asdict(cfg), "step": step, "history": history[-5:]},
+                            encoding=cfg.encoding)
 
     bar = tqdm(total=cfg.steps, initial=start_step, desc="train head", unit="step",
                disable=not (progress and accelerator.is_main_process))
     step = start_step
-    t0, tokens = time.perf_counter(), 0
+    last = history[-1] if history else {}
+    tokens, positions = last.get("tokens", 0), last.get("positions", 0)
+    agree = torch.zeros(2, cfg.k - 1)
+    t0, tokens_at_start = time.perf_counter(), tokens
     try:
-        while step < min(cfg.steps, stop_at or cfg.steps):
-            rng = step_rng(cfg.seed, step)
-            picks = [rng.randrange(len(sequences)) for _ in range(cfg.seqs_per_step)]
-            mine = picks[rank::world]
-            total_loss, total_pos = 0.0, 0
-            optimizer.zero_grad(set_to_none=True)
-            for j, idx in enumerate(mine):
-                ids, n_prompt = sequences[idx]
-                anchors = choose_anchors(step_rng(cfg.seed, step, j * world + rank + 1), n_prompt, len(ids), cfg.anchors)
-                sync = contextlib.nullcontext() if j == len(mine) - 1 else accelerator.no_sync(ddp)
-                with sync:
-                    loss, n_pos = ddp(ids, n_prompt, anchors)
-                    accelerator.backward(loss / len(mine))
-                total_loss += float(loss.detach()) / len(mine)
-                total_pos += n_pos
-                tokens += len(ids)
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            record = {"step": step, "loss": round(total_loss, 5), "lr": scheduler.get_last_lr()[0]}
-            if heldout and cfg.eval_every and step % cfg.eval_every == 0 and accelerator.is_main_process:
-                model.eval()
-                record["heldout_tokens_per_step"] = round(
-                    heldout_tokens_per_step(model, heldout, cfg.eval_tokens, cfg.k), 4)
-            history.append(record)
-            elapsed = time.perf_counter() - t0
-            bar.set_postfix(loss=f"{total_loss:.4f}", tok_s=f"{tokens * world / max(elapsed, 1e-9):.0f}",
-                            **({"tps": record["heldout_tokens_per_step"]} if "heldout_tokens_per_step" in record else {}))
-            bar.update(1)
-            if cfg.save_every and step % cfg.save_every == 0:
-                save(step)
+        with stop_between_steps() as stop:
+            while step < min(cfg.steps, stop_at or cfg.steps):
+                rng = step_rng(cfg.seed, step)
+                picks = [rng.randrange(len(sequences)) for _ in range(cfg.seqs_per_step)]
+                mine = picks[rank::world]
+                total_loss = 0.0
+                counts = torch.zeros(2, dtype=torch.float64)  # tokens and positions of this step (this rank)
+                optimizer.zero_grad(set_to_none=True)
+                with cast.step():
+                    for j, idx in enumerate(mine):
+                        if stop.requested:
+                            break
+                        ids, n_prompt = sequences[idx]
+                        anchors = choose_anchors(step_rng(cfg.seed, step, j * world + rank + 1), n_prompt, len(ids),
+                                                 cfg.anchors)
+                        sync = contextlib.nullcontext() if j == len(mine) - 1 else accelerator.no_sync(ddp)
+                        with sync:
+                            loss, n_pos, hits = ddp(ids, n_prompt, anchors)
+                            accelerator.backward(loss / len(mine))
+                        total_loss += float(loss.detach()) / len(mine)
+                        counts += torch.tensor([len(ids), n_pos], dtype=torch.float64)
+                        agree += hits.detach().cpu()
+                if stop.requested:  # this step is abandoned whole; the checkpoint holds the last finished one
+                    raise KeyboardInterrupt
+                optimizer.step()
+                scheduler.step()
+                step += 1
+                if world > 1:
+                    counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum").cpu()
+                tokens += int(counts[0])
+                positions += int(counts[1])
+                record = {"step": step, "loss": round(total_loss, 5), "lr": scheduler.get_last_lr()[0],
+                          "tokens": tokens, "positions": positions}
+                if cfg.eval_every and step % cfg.eval_every == 0:
+                    record["agree"] = [round(float(a), 4) for a in agree[0] / agree[1].clamp(min=1)]
+                    agree.zero_()
+                    if heldout and accelerator.is_main_process:
+                        model.eval()
+                        record["heldout_tokens_per_step"] = round(
+                            heldout_tokens_per_step(model, heldout, cfg.eval_tokens, cfg.k), 4)
+                history.append(record)
+                elapsed = time.perf_counter() - t0
+                bar.set_postfix(loss=f"{total_loss:.4f}", tok_s=f"{(tokens - tokens_at_start) / max(elapsed, 1e-9):.0f}",
+                                **({"tps": record["heldout_tokens_per_step"]} if "heldout_tokens_per_step" in record else {}))
+                bar.update(1)
+                if record.get("heldout_tokens_per_step", 0.0) > best:
+                    best = record["heldout_tokens_per_step"]
+                    publish(step)
+                if cfg.save_every and step % cfg.save_every == 0:
+                    save(step)
     except KeyboardInterrupt:
-        save(step)  # Ctrl-C leaves a usable checkpoint and head
+        save(step)  # Ctrl-C or SIGTERM leaves a usable checkpoint and head at the last finished step
         bar.close()
         raise
     bar.close()
     save(step)
     accelerator.wait_for_everyone()
     return {"steps": step, "history": history, "seconds": time.perf_counter() - t0,
-            "tokens": tokens * world, "out": str(out)}
+            "tokens": tokens - tokens_at_start, "out": str(out)}
 
 
 def write_summary(out: str | Path, summary: dict) -> None:
