@@ -35,16 +35,17 @@ DISTILL_ARGS := --model smollm2-135m --dtype bf16 --prompts data/distill_prompts
 HEAD_RUN     := runs/head-training
 HEAD_ARGS    := --model smollm2-135m --prompts data/distill_prompts.jsonl --distill-dir $(DISTILL_DIR) \
 	--out $(HEAD_RUN) --k 8 --steps 20000 --lr 3e-4 --warmup 100 --seqs-per-step 4 --anchors 32 \
-	--save-every 20 --eval-every 200 --eval-prompts 8 --eval-tokens 96 --encoding delta_int8 --seed 0 \
+	--save-every 20 --eval-every 100 --eval-prompts 8 --eval-tokens 96 --encoding delta_int8 --seed 0 \
 	--log results/head-training/log.jsonl --publish heads/smollm2-135m
 head-data: $(STAMP)
 	if [ "$(HEAD_PROCS)" = 1 ]; then $(BIN)/lossless distill $(DISTILL_ARGS); \
 	else OMP_NUM_THREADS=1 $(BIN)/accelerate launch --multi_gpu --num_processes $(HEAD_PROCS) --num_machines 1 \
 		--mixed_precision no --dynamo_backend no -m lossless distill $(DISTILL_ARGS); fi
 
+# resume: from the checkpoint on this machine, else (a new machine) from the head this run last published
 head: head-data
-	if [ -f $(HEAD_RUN)/checkpoint.pt ]; then $(BIN)/lossless train $(HEAD_ARGS) --resume; \
-	else $(BIN)/lossless train $(HEAD_ARGS); fi
+	if [ -f $(HEAD_RUN)/checkpoint.pt ] || grep -qs '"log": "results/head-training/log.jsonl"' heads/smollm2-135m/head.json; \
+	then $(BIN)/lossless train $(HEAD_ARGS) --resume; else $(BIN)/lossless train $(HEAD_ARGS); fi
 	$(BIN)/lossless curve results/head-training/log.jsonl --out results/head-training --labels smollm2-135m
 
 # the full study (results/full-study/README.md): resumable from the committed records, on any machine;

@@ -239,3 +239,24 @@ def test_publish_leaves_a_head_that_is_already_there_unless_beaten(tmp_path):
     theirs = round(heldout_tokens_per_step(tiny_orthrus("llama", k=4), [[1, 5, 9, 3], [7, 7, 2]], 16, 4), 4)
     assert ours < theirs
     assert (tmp_path / "pub" / "head.json").read_text() == before
+
+
+def test_resume_on_a_new_machine_continues_from_the_head_this_run_published(tmp_path, capsys):
+    cfg = dict(out=str(tmp_path / "run"), k=4, steps=6, lr=1e-3, warmup=1, seqs_per_step=2, anchors=4, save_every=0,
+               eval_every=2, eval_tokens=8, autocast="off", log=str(tmp_path / "log.jsonl"),
+               publish=str(tmp_path / "pub"))
+    model = tiny_orthrus("llama", k=4)
+    train(model, synthetic_records(), TrainConfig(**cfg), heldout=[[1, 5, 9, 3]], progress=False, stop_at=4)
+    published = json.loads((tmp_path / "pub" / "head.json").read_text())["training"]["step"]
+    (tmp_path / "run" / "checkpoint.pt").unlink()  # a new machine: the checkpoint stayed behind
+    fresh = tiny_orthrus("llama", k=4)
+    summary = train(fresh, synthetic_records(), TrainConfig(**cfg), heldout=[[1, 5, 9, 3]], resume=True, progress=False)
+    assert "continuing from the head published at step" in capsys.readouterr().err
+    steps = [h["step"] for h in summary["history"]]
+    assert steps == list(range(1, 7)) and summary["steps"] == 6
+    assert summary["history"][published]["tokens"] > summary["history"][published - 1]["tokens"]
+    # a head published by another run (another log) is not a place to continue from
+    (tmp_path / "run" / "checkpoint.pt").unlink()
+    other = TrainConfig(**{**cfg, "log": str(tmp_path / "other.jsonl")})
+    with pytest.raises(LosslessError, match="no head published by this run"):
+        train(tiny_orthrus("llama", k=4), synthetic_records(), other, resume=True, progress=False)

@@ -35,6 +35,7 @@ import json
 import math
 import random
 import signal
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -47,7 +48,7 @@ from tqdm import tqdm
 
 from .dualview import DraftSpec, additive_mask, block_visibility
 from .errors import LosslessError
-from .jsonio import atomic_write, jsonl_text
+from .jsonio import atomic_write, jsonl_text, read_jsonl
 from .model import OrthrusLM
 
 CHECKPOINT = "checkpoint.pt"
@@ -243,6 +244,27 @@ def heldout_tokens_per_step(model: OrthrusLM, prompt_ids: list[list[int]], max_n
     return committed / max(steps, 1)
 
 
+def continue_from_published(model: OrthrusLM, cfg: TrainConfig) -> tuple[int, list[dict]]:
+    """Where `--resume` goes without a checkpoint (a new machine: checkpoints are not committed): the head
+    this run last published, at its step, with the run's log up to that step. Only a head published by
+    this very run (same log) counts. Returns (step, history)."""
+    from . import head as headfile
+
+    head_json = Path(cfg.publish) / "head.json" if cfg.publish else None
+    training = headfile.read_head_config(cfg.publish)[1].training if head_json and head_json.exists() else None
+    if not training or not cfg.log or training.get("log") != cfg.log or not Path(cfg.log).exists():
+        raise LosslessError(f"--resume: no checkpoint at {Path(cfg.out) / CHECKPOINT} and no head published by this "
+                            "run (--publish, with the same --log); start without --resume")
+    step = int(training["step"])
+    history = [h for h in read_jsonl(cfg.log, what="training log") if h["step"] <= step]
+    if len(history) != step:
+        raise LosslessError(f"--resume: {cfg.log} does not hold the {step} steps of the published head; start anew")
+    model.load_head(cfg.publish)
+    print(f"note: no checkpoint in {cfg.out}; continuing from the head published at step {step} "
+          "(the optimiser state restarts)", file=sys.stderr)
+    return step, history
+
+
 def published_tokens_per_step(model: OrthrusLM, cfg: TrainConfig, heldout: list[list[int]]) -> float:
     """Held-out tokens per cycle of the head in `cfg.publish`; the model's own head is restored after."""
     own = {n: p.detach().clone() for n, p in model.head_parameters().items()}
@@ -284,9 +306,7 @@ def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list
     history: list[dict] = []
     start_step = 0
     ckpt_path = out / CHECKPOINT
-    if resume:
-        if not ckpt_path.exists():
-            raise LosslessError(f"--resume: no checkpoint at {ckpt_path}; start without --resume")
+    if resume and ckpt_path.exists():
         state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
         with torch.no_grad():
             for name, p in model.head_parameters().items():
@@ -294,6 +314,12 @@ def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start_step, history = state["step"], state["history"]
+    elif resume:
+        start_step, history = continue_from_published(model, cfg)
+        # the schedule where the run was; the optimiser's moments start afresh
+        scheduler.last_epoch = start_step
+        for group, base, lam in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * lam(start_step)
     cast = FrozenCast(model, resolve_autocast(cfg.autocast, model.device))
     loss_module = DistillLoss(model, cfg.k, cfg.loss, cfg.position_decay)
     ddp, optimizer = accelerator.prepare(loss_module, optimizer)
@@ -329,31 +355,36 @@ def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list
     tokens, positions = last.get("tokens", 0), last.get("positions", 0)
     agree = torch.zeros(2, cfg.k - 1)
     t0, tokens_at_start = time.perf_counter(), tokens
+    def accumulate(step: int, stop: StopFlag) -> tuple[float, torch.Tensor]:
+        """Gradients of this rank's share of step `step`; returns (mean loss, [tokens, positions]). Raises
+        KeyboardInterrupt, with no update made, when a stop was requested."""
+        rng = step_rng(cfg.seed, step)
+        picks = [rng.randrange(len(sequences)) for _ in range(cfg.seqs_per_step)]
+        mine = picks[rank::world]
+        total_loss, counts = 0.0, torch.zeros(2, dtype=torch.float64)
+        optimizer.zero_grad(set_to_none=True)
+        with cast.step():
+            for j, idx in enumerate(mine):
+                if stop.requested:
+                    break
+                ids, n_prompt = sequences[idx]
+                anchors = choose_anchors(step_rng(cfg.seed, step, j * world + rank + 1), n_prompt, len(ids),
+                                         cfg.anchors)
+                sync = contextlib.nullcontext() if j == len(mine) - 1 else accelerator.no_sync(ddp)
+                with sync:
+                    loss, n_pos, hits = ddp(ids, n_prompt, anchors)
+                    accelerator.backward(loss / len(mine))
+                total_loss += float(loss.detach()) / len(mine)
+                counts += torch.tensor([len(ids), n_pos], dtype=torch.float64)
+                agree.add_(hits.detach().cpu())
+        if stop.requested:  # this step is abandoned whole; the checkpoint holds the last finished one
+            raise KeyboardInterrupt
+        return total_loss, counts
+
     try:
         with stop_between_steps() as stop:
             while step < min(cfg.steps, stop_at or cfg.steps):
-                rng = step_rng(cfg.seed, step)
-                picks = [rng.randrange(len(sequences)) for _ in range(cfg.seqs_per_step)]
-                mine = picks[rank::world]
-                total_loss = 0.0
-                counts = torch.zeros(2, dtype=torch.float64)  # tokens and positions of this step (this rank)
-                optimizer.zero_grad(set_to_none=True)
-                with cast.step():
-                    for j, idx in enumerate(mine):
-                        if stop.requested:
-                            break
-                        ids, n_prompt = sequences[idx]
-                        anchors = choose_anchors(step_rng(cfg.seed, step, j * world + rank + 1), n_prompt, len(ids),
-                                                 cfg.anchors)
-                        sync = contextlib.nullcontext() if j == len(mine) - 1 else accelerator.no_sync(ddp)
-                        with sync:
-                            loss, n_pos, hits = ddp(ids, n_prompt, anchors)
-                            accelerator.backward(loss / len(mine))
-                        total_loss += float(loss.detach()) / len(mine)
-                        counts += torch.tensor([len(ids), n_pos], dtype=torch.float64)
-                        agree += hits.detach().cpu()
-                if stop.requested:  # this step is abandoned whole; the checkpoint holds the last finished one
-                    raise KeyboardInterrupt
+                total_loss, counts = accumulate(step, stop)
                 optimizer.step()
                 scheduler.step()
                 step += 1
