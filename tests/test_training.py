@@ -195,6 +195,7 @@ def test_the_log_holds_tokens_positions_and_evaluations_and_publish_gets_the_bes
     assert [r["step"] for r in log] == [1, 2, 3, 4]
     assert all(b["tokens"] > a["tokens"] and b["positions"] > a["positions"] for a, b in zip(log, log[1:]))
     assert "heldout_tokens_per_step" in log[1] and len(log[1]["agree"]) == 3
+    assert sum(log[1]["heldout_accepted"]) > 0 and len(log[1]["heldout_accepted"]) == 4
     assert (tmp_path / "best" / "head.json").exists()  # the first evaluation always beats "none yet"
 
 
@@ -208,6 +209,7 @@ def test_the_learning_curve_fits_a_trend_and_predicts_ten_times_the_tokens(tmp_p
         if step % 10 == 0:
             rec["heldout_tokens_per_step"] = 2.0 + 0.1 * math.log10(step * 1000)
             rec["agree"] = [0.8, 0.4, 0.1]
+            rec["heldout_accepted"] = [10, 50, 30, 10]  # cycles accepting 0, 1, 2, 3 drafts
         history.append(rec)
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in history))
@@ -218,6 +220,7 @@ def test_the_learning_curve_fits_a_trend_and_predicts_ten_times_the_tokens(tmp_p
     assert (tmp_path / "out" / "learning_curve.png").stat().st_size > 1000
     table = (tmp_path / "out" / "learning_curve.md").read_text()
     assert "| 40 | 40,000 |" in table and "0.80 0.40 0.10" in table
+    assert "| 0.90 0.40 0.10 |" in table  # at least 1, 2, 3 drafts accepted
 
 
 

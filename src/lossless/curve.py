@@ -5,7 +5,8 @@ output directory:
 - `learning_curve.png`: held-out tokens per cycle (two-pass, greedy) against sequence tokens seen, log
   x axis, one line per log, with each log's fitted trend;
 - `learning_curve.md`: per log, a table of every evaluation (step, tokens, loss averaged since the
-  previous evaluation, held-out tokens per cycle, top-1 agreement with the teacher by block position),
+  previous evaluation, held-out tokens per cycle and the share of cycles accepting at least j drafts,
+  top-1 agreement with the teacher by block position),
   and the fitted trend `tokens per cycle = a + b * log10(tokens)` (statsmodels OLS) with its prediction,
   and 95% interval, for ten times the tokens seen so far.
 
@@ -31,9 +32,19 @@ def evaluations(history: list[dict]) -> list[dict]:
         losses.append(rec["loss"])
         if METRIC in rec:
             rows.append({"step": rec["step"], "tokens": rec.get("tokens", 0), "positions": rec.get("positions", 0),
-                         "loss": sum(losses) / len(losses), METRIC: rec[METRIC], "agree": rec.get("agree")})
+                         "loss": sum(losses) / len(losses), METRIC: rec[METRIC], "agree": rec.get("agree"),
+                         "accepted": acceptance(rec.get("heldout_accepted"))})
             losses = []
     return rows
+
+
+def acceptance(hist: list[int] | None) -> list[float] | None:
+    """From drafts accepted per cycle (a histogram), the share of cycles that accepted at least j+1 drafts,
+    for each draft position j."""
+    if not hist or not sum(hist):
+        return None
+    total = sum(hist)
+    return [sum(hist[j + 1:]) / total for j in range(len(hist) - 1)]
 
 
 def fit_trend(rows: list[dict]) -> dict | None:
@@ -92,14 +103,16 @@ def write_curve(logs: list[str | Path], out: str | Path, labels: list[str] | Non
 def render(curves: dict) -> str:
     lines = ["# Draft-head learning curve", "",
              "Held-out tokens per cycle: two-pass greedy Orthrus on held-out prompts (fp32), at each evaluation.",
+             "Draft j accepted: the share of those cycles that accepted at least j drafts (j = 1..4).",
              "Agreement: how often the draft's argmax equals the teacher's, by block position, on the training",
              "blocks since the previous evaluation.", ""]
     for label, c in curves.items():
-        lines += [f"## {label}", "", "| step | tokens | loss | tokens/cycle | agreement by position |",
-                  "|---:|---:|---:|---:|---|"]
+        lines += [f"## {label}", "", "| step | tokens | loss | tokens/cycle | held-out: draft j accepted | "
+                  "training: agreement by position |", "|---:|---:|---:|---:|---|---|"]
         for r in c["evaluations"]:
             agree = " ".join(f"{a:.2f}" for a in r["agree"]) if r["agree"] else ""
-            lines.append(f"| {r['step']} | {r['tokens']:,} | {r['loss']:.3f} | {r[METRIC]:.3f} | {agree} |")
+            accepted = " ".join(f"{a:.2f}" for a in r["accepted"][:4]) if r["accepted"] else ""
+            lines.append(f"| {r['step']} | {r['tokens']:,} | {r['loss']:.3f} | {r[METRIC]:.3f} | {accepted} | {agree} |")
         t = c["trend"]
         lines.append("")
         if t:

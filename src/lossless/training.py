@@ -232,16 +232,23 @@ def lr_lambda(cfg: TrainConfig):
 
 
 @torch.no_grad()
-def heldout_tokens_per_step(model: OrthrusLM, prompt_ids: list[list[int]], max_new_tokens: int, k: int) -> float:
-    """Mean tokens per draft+verify cycle of greedy Orthrus over held-out prompts."""
+def heldout_eval(model: OrthrusLM, prompt_ids: list[list[int]], max_new_tokens: int, k: int) -> tuple[float, list[int]]:
+    """Greedy two-pass Orthrus over held-out prompts: (mean tokens per draft+verify cycle, how many cycles
+    accepted 0, 1, .., k-1 drafts)."""
     from .decoding import DecodeConfig, decode
 
-    committed, steps = 0, 0
+    committed, steps, hist = 0, 0, [0] * k
     for ids in prompt_ids:
         state = decode(model, ids, "orthrus", DecodeConfig(max_new_tokens=max_new_tokens, k=k))
         committed += len(state.generated) - 1
         steps += state.stats.steps
-    return committed / max(steps, 1)
+        for n in state.stats.accepted:
+            hist[n] += 1
+    return committed / max(steps, 1), hist
+
+
+def heldout_tokens_per_step(model: OrthrusLM, prompt_ids: list[list[int]], max_new_tokens: int, k: int) -> float:
+    return heldout_eval(model, prompt_ids, max_new_tokens, k)[0]
 
 
 def continue_from_published(model: OrthrusLM, cfg: TrainConfig) -> tuple[int, list[dict]]:
@@ -399,8 +406,8 @@ def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list
                     agree.zero_()
                     if heldout and accelerator.is_main_process:
                         model.eval()
-                        record["heldout_tokens_per_step"] = round(
-                            heldout_tokens_per_step(model, heldout, cfg.eval_tokens, cfg.k), 4)
+                        tps, hist = heldout_eval(model, heldout, cfg.eval_tokens, cfg.k)
+                        record["heldout_tokens_per_step"], record["heldout_accepted"] = round(tps, 4), hist
                 history.append(record)
                 elapsed = time.perf_counter() - t0
                 bar.set_postfix(loss=f"{total_loss:.4f}", tok_s=f"{(tokens - tokens_at_start) / max(elapsed, 1e-9):.0f}",
