@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
 from .errors import LosslessError
+from .jsonio import atomic_write
 
 FORMAT_VERSION = 1
 HEAD_WEIGHTS = "head.safetensors"
@@ -124,10 +125,9 @@ def save_head(path: str | Path, tensors: dict[str, torch.Tensor], config: HeadCo
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cpu = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
-    tmp = path / (HEAD_WEIGHTS + ".tmp")
-    save_file(cpu, str(tmp), metadata={"format_version": str(config.format_version)})
-    tmp.replace(path / HEAD_WEIGHTS)
-    (path / HEAD_CONFIG).write_text(json.dumps(asdict(config), indent=2) + "\n")
+    # through atomic_write: a reader never sees a torn file, and the file gets the usual permissions
+    atomic_write(path / HEAD_WEIGHTS, save(cpu, metadata={"format_version": str(config.format_version)}))
+    atomic_write(path / HEAD_CONFIG, json.dumps(asdict(config), indent=2) + "\n")
     return path
 
 
