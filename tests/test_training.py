@@ -16,7 +16,8 @@ import torch
 from conftest import perturb_head, tiny_orthrus
 from lossless.dualview import block_visibility
 from lossless.errors import LosslessError
-from lossless.training import DistillLoss, FrozenCast, TrainConfig, choose_anchors, step_rng, train
+from lossless.training import (DistillLoss, FrozenCast, TrainConfig, choose_anchors, position_weights, step_rng,
+                               train)
 
 
 def synthetic_records(n: int = 8, seed: int = 0) -> list[dict]:
@@ -176,13 +177,22 @@ def test_position_decay_weights_block_positions():
     rec = synthetic_records(1)[0]
     ids, n_prompt = rec["prompt_ids"] + rec["response_ids"], len(rec["prompt_ids"])
     anchors = [6, 10, 14, 20]
-    losses = {d: DistillLoss(model, 4, position_decay=d)(ids, n_prompt, anchors)[0].item() for d in (1.0, 1e-9, 1e9)}
+    losses = {d: DistillLoss(model, 4, weights=position_weights(4, d))(ids, n_prompt, anchors)[0].item()
+              for d in (1.0, 1e-9, 1e9)}
     # decay -> 0 leaves position 0 alone, decay -> inf the last position: with an untrained head their KLs
     # differ, and the even weighting lies between them
     lo, hi = sorted((losses[1e-9], losses[1e9]))
     assert lo < losses[1.0] < hi
+    # explicit weights: one-hot weights give each position's own loss, and their mean is the even weighting
+    alone = [DistillLoss(model, 4, weights=position_weights(4, weights=w))(ids, n_prompt, anchors)[0].item()
+             for w in ([1, 0, 0], [0, 1, 0], [0, 0, 1])]
+    assert alone[0] == pytest.approx(losses[1e-9], rel=1e-5) and alone[2] == pytest.approx(losses[1e9], rel=1e-5)
+    assert min(alone) < losses[1.0] < max(alone)
     with pytest.raises(LosslessError, match="position-decay"):
-        DistillLoss(model, 4, position_decay=0.0)
+        position_weights(4, 0.0)
+    for bad in ([1, 1], [0, 0, 0], [1, -1, 1]):
+        with pytest.raises(LosslessError, match="position-weights"):
+            position_weights(4, weights=bad)
 
 
 def test_the_log_holds_tokens_positions_and_evaluations_and_publish_gets_the_best_head(tmp_path):
@@ -263,3 +273,31 @@ def test_resume_on_a_new_machine_continues_from_the_head_this_run_published(tmp_
     other = TrainConfig(**{**cfg, "log": str(tmp_path / "other.jsonl")})
     with pytest.raises(LosslessError, match="no head published by this run"):
         train(tiny_orthrus("llama", k=4), synthetic_records(), other, resume=True, progress=False)
+
+
+def test_an_arm_from_init_head_starts_at_that_heads_step_and_matches_the_run_it_branches_from(tmp_path):
+    cfg = dict(out=str(tmp_path / "run"), k=4, steps=6, lr=1e-3, warmup=1, seqs_per_step=2, anchors=4, save_every=0,
+               eval_every=0, autocast="off", log=str(tmp_path / "log.jsonl"), publish=str(tmp_path / "pub"))
+    model = tiny_orthrus("llama", k=4)
+    train(model, synthetic_records(), TrainConfig(**cfg), progress=False, stop_at=3)
+    model.save_head(tmp_path / "at3", training={"step": 3})
+    (tmp_path / "run" / "checkpoint.pt").unlink()
+    model.save_head(tmp_path / "pub", training={**cfg, "step": 3})  # as if the run had published at step 3
+    # the run itself, continued from its published head (fresh optimiser) ...
+    run = tiny_orthrus("llama", k=4)
+    train(run, synthetic_records(), TrainConfig(**cfg), resume=True, progress=False)
+    # ... and an arm with the same objective, started from the same head with --init-head
+    arm = tiny_orthrus("llama", k=4)
+    arm.load_head(tmp_path / "at3")
+    arm_cfg = TrainConfig(**{**cfg, "out": str(tmp_path / "arm"), "log": "", "publish": "",
+                             "init_head": str(tmp_path / "at3")})
+    summary = train(arm, synthetic_records(), arm_cfg, progress=False)
+    assert [h["step"] for h in summary["history"]] == [4, 5, 6]
+    assert all(torch.equal(a, b) for a, b in zip(_head_state(run).values(), _head_state(arm).values()))
+    # another objective from the same head trains another head
+    other = tiny_orthrus("llama", k=4)
+    other.load_head(tmp_path / "at3")
+    train(other, synthetic_records(), TrainConfig(**{**cfg, "out": str(tmp_path / "other"), "log": "", "publish": "",
+                                                     "init_head": str(tmp_path / "at3"),
+                                                     "position_weights": [0.0, 1.0, 1.0]}), progress=False)
+    assert not all(torch.equal(a, b) for a, b in zip(_head_state(run).values(), _head_state(other).values()))

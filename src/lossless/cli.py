@@ -124,7 +124,8 @@ def cmd_train(args) -> int:
         encoding=args.encoding, data=list(args.data), prompts=str(args.prompts or paths.TRAIN_PROMPTS),
         max_new_tokens=args.max_new_tokens, distill_batch=args.distill_batch, autocast=args.autocast,
         position_decay=args.position_decay, mask_lr_mult=args.mask_lr_mult, log=args.log or "",
-        publish=args.publish or "")
+        publish=args.publish or "", position_weights=_floats(args.position_weights, "--position-weights"),
+        init_head=args.init_head or "")
     if cfg.k < 2:
         raise LosslessError("--k must be >= 2 to train a drafter")
     out = Path(cfg.out)
@@ -139,8 +140,19 @@ def cmd_train(args) -> int:
         data_dir = Path(args.distill_dir)
         distill.check_source(data_dir, cfg.prompts)
     accelerator = Accelerator(cpu=args.device == "cpu")
-    # the head to train starts untrained (copies of the AR weights), never from a shipped head
+    training.position_weights(cfg.k, cfg.position_decay, cfg.position_weights)  # refuse bad weights now
+    if cfg.init_head:
+        if args.resume:
+            raise LosslessError("--init-head starts a new run; --resume continues one: give one of them")
+        from .head import read_head_config
+
+        read_head_config(cfg.init_head)
+    # the head to train starts untrained (copies of the AR weights), or from --init-head; never from a shipped
+    # head by default
     model = load_model(cfg.model, cfg.dtype, str(accelerator.device), head="none", k=cfg.k)
+    if cfg.init_head:
+        model.load_head(cfg.init_head)
+        model.k = model.head_info.k = cfg.k  # a head's weights do not depend on k: an arm may train another k
     if not args.distill_dir:
         data_dir = distill.default_dir(cfg.model, cfg.prompts, cfg.max_new_tokens, cfg.dtype)
         if accelerator.is_main_process:
@@ -174,6 +186,14 @@ def cmd_train(args) -> int:
         print(json.dumps({"out": str(out), "steps": summary["steps"], "seconds": round(summary["seconds"], 1),
                           "tokens": summary["tokens"], "last": last}), file=sys.stdout)
     return 0
+
+
+def _floats(text: str | None, option: str) -> list[float]:
+    """'0,1,1' -> [0.0, 1.0, 1.0]; None or '' -> []."""
+    try:
+        return [float(x) for x in text.split(",")] if text else []
+    except ValueError:
+        raise LosslessError(f"{option} '{text}': expected comma-separated numbers, e.g. 0,1,1,1") from None
 
 
 def cmd_curve(args) -> int:
@@ -341,7 +361,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--autocast", default="auto", choices=["auto", "bf16", "off"],
                    help="products in bf16 with fp32 head weights (auto: where the CPU multiplies bf16 natively, or CUDA)")
     t.add_argument("--position-decay", type=float, default=1.0, help="loss weight of block position j: decay**j")
+    t.add_argument("--position-weights", default=None,
+                   help="loss weight per block position, k-1 comma-separated numbers (overrides --position-decay); "
+                        "0,1,1,.. trains for the fused cycle, whose drafts start at block position 1")
     t.add_argument("--mask-lr-mult", type=float, default=1.0, help="the mask embedding's learning rate / --lr")
+    t.add_argument("--init-head", default=None,
+                   help="start from this head's weights at its training step with a fresh optimiser (e.g. to compare "
+                        "objectives from one head)")
     t.add_argument("--log", default=None, help="JSONL training log, rewritten at every checkpoint (e.g. under results/)")
     t.add_argument("--publish", default=None,
                    help="head directory written whenever held-out tokens per cycle beats every earlier evaluation")

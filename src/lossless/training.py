@@ -8,7 +8,8 @@ Per training sequence (prompt + the model's own greedy response):
    itself (`dualview.block_visibility`);
 3. loss: forward KL(p_AR || q_draft) (or cross-entropy on the teacher's argmax) at block positions
    0..k-2, whose targets are the AR distributions at positions a..a+k-2, weighted `position_decay`^j at
-   block position j (1 = all alike). The LM head runs only on rows whose logits the loss uses.
+   block position j (1 = all alike), or by explicit `position_weights` (0,1,1,..: a head for the fused
+   cycle, whose drafts start at block position 1). The LM head runs only on rows whose logits the loss uses.
 
 Mixed precision (`autocast="bf16"`, the default where the CPU multiplies bf16 natively, or on CUDA):
 the frozen backbone's weights are swapped for bf16 copies made once (no per-call casts), the head's
@@ -78,9 +79,26 @@ class TrainConfig:
     distill_batch: int = 16
     autocast: str = "auto"  # "auto" | "bf16" | "off"
     position_decay: float = 1.0  # loss weight of block position j is position_decay**j
+    position_weights: list[float] = field(default_factory=list)  # explicit weights of block positions 0..k-2
     mask_lr_mult: float = 1.0  # the mask embedding's learning rate, as a multiple of lr
     log: str = ""  # JSONL training log, rewritten at every save
     publish: str = ""  # head directory written whenever held-out tokens per cycle improves
+    init_head: str = ""  # start from this head's weights at its training step (fresh optimiser), e.g. an arm
+
+
+def position_weights(k: int, decay: float = 1.0, weights: list[float] | tuple = ()) -> torch.Tensor:
+    """Loss weight of each block position 0..k-2: `weights` when given (e.g. 0,1,1,.. for the fused cycle,
+    whose drafts start at block position 1), else decay**j."""
+    if weights:
+        if len(weights) != k - 1:
+            raise LosslessError(f"--position-weights gives {len(weights)} weights; a k={k} block has {k - 1} "
+                                "positions with a target")
+        if min(weights) < 0 or sum(weights) <= 0:
+            raise LosslessError("--position-weights must be >= 0 with a positive sum")
+        return torch.tensor([float(w) for w in weights], dtype=torch.float32)
+    if not decay > 0:
+        raise LosslessError(f"--position-decay must be > 0, got {decay}")
+    return decay ** torch.arange(k - 1, dtype=torch.float32)
 
 
 AUTOCAST = ("auto", "bf16", "off")
@@ -163,14 +181,12 @@ def step_rng(seed: int, step: int, slot: int = 0) -> random.Random:
 class DistillLoss(nn.Module):
     """Wraps an OrthrusLM so DDP sees one module whose forward returns the loss of one sequence."""
 
-    def __init__(self, model: OrthrusLM, k: int, loss: str = "kl", position_decay: float = 1.0):
+    def __init__(self, model: OrthrusLM, k: int, loss: str = "kl", weights: torch.Tensor | None = None):
         super().__init__()
         if loss not in ("kl", "ce"):
             raise LosslessError(f"unknown loss '{loss}': choose kl or ce")
-        if not position_decay > 0:
-            raise LosslessError(f"--position-decay must be > 0, got {position_decay}")
         self.model, self.k, self.loss = model, k, loss
-        self.register_buffer("weights", position_decay ** torch.arange(k - 1, dtype=torch.float32), persistent=False)
+        self.register_buffer("weights", position_weights(k) if weights is None else weights, persistent=False)
 
     def forward(self, ids: list[int], n_prompt: int, anchors: list[int]) -> tuple[torch.Tensor, int, torch.Tensor]:
         """Loss (weighted mean over valid block positions), number of positions, and per block position
@@ -204,7 +220,7 @@ class DistillLoss(nn.Module):
             per = F.nll_loss(q_logp, p_logits.argmax(-1), reduction="none")
         slot = torch.arange(k - 1, device=device).expand_as(target_pos)[valid]
         w = self.weights[slot]
-        loss = (per * w).sum() / w.sum()
+        loss = (per * w).sum() / w.sum().clamp(min=1e-12)
         with torch.no_grad():
             hits = (q_logp.argmax(-1) == p_logits.argmax(-1)).float()
             agree = torch.stack([torch.zeros(k - 1, device=device).index_add_(0, slot, hits),
@@ -321,14 +337,17 @@ def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start_step, history = state["step"], state["history"]
-    elif resume:
-        start_step, history = continue_from_published(model, cfg)
+    elif resume or cfg.init_head:
+        if resume:
+            start_step, history = continue_from_published(model, cfg)
+        else:  # the weights are the caller's (the head in cfg.init_head); the run continues at that head's step
+            start_step = int(model.head_info.training.get("step", 0)) if model.head_info.training else 0
         # the schedule where the run was; the optimiser's moments start afresh
         scheduler.last_epoch = start_step
         for group, base, lam in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
             group["lr"] = base * lam(start_step)
     cast = FrozenCast(model, resolve_autocast(cfg.autocast, model.device))
-    loss_module = DistillLoss(model, cfg.k, cfg.loss, cfg.position_decay)
+    loss_module = DistillLoss(model, cfg.k, cfg.loss, position_weights(cfg.k, cfg.position_decay, cfg.position_weights))
     ddp, optimizer = accelerator.prepare(loss_module, optimizer)
     world, rank = accelerator.num_processes, accelerator.process_index
     best = max((h["heldout_tokens_per_step"] for h in history if "heldout_tokens_per_step" in h), default=0.0)
