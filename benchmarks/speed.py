@@ -1,6 +1,7 @@
 """Decoding speed, side by side in one process: HF `generate` greedy, our `ar`, HF prompt-lookup
 decoding, and `orthrus` with the model's head (the shipped one by default), in the two-pass cycle and
-the fused one (`orthrus_fused`; `--fused 4:2,3:3` adds more block-size:group settings side by side).
+the fused one (`orthrus_fused`; `--fused 4:2,3:3` adds more block-size:group settings side by side), and
+the two-pass cycle verifying a candidate tree (`orthrus_tree`; `--tree 8,16,24` sets its node budgets).
 
 Methods run alternately on each prompt, for several repeats; the table reports medians over prompts
 of per-prompt medians over repeats. Tokens per step = tokens committed per decode cycle after the
@@ -25,9 +26,10 @@ import lossless
 from lossless import paths
 from lossless.distill import read_prompts
 from lossless.errors import LosslessError
+from lossless.names import positive_int
 from lossless.text import encode_prompt
 
-METHODS = ("hf_generate", "ar", "prompt_lookup", "orthrus", "orthrus_fused")
+METHODS = ("hf_generate", "ar", "prompt_lookup", "orthrus", "orthrus_tree", "orthrus_fused")
 FUSED_DEFAULT = "3"  # block size k[:draft groups per forward]; "3" = the library's default (k=3, every group)
 
 
@@ -55,8 +57,8 @@ def run_hf(model, ids, max_new_tokens, eos, counter, prompt_lookup=False):
     return {"tokens": new, "seconds": seconds, "forwards": forwards, "steps": max(forwards - 1, 1), "accepted": []}
 
 
-def run_ours(model, ids, max_new_tokens, mode, k, cycle="two-pass", groups=None):
-    cfg = lossless.DecodeConfig(max_new_tokens=max_new_tokens, k=k, cycle=cycle, groups=groups)
+def run_ours(model, ids, max_new_tokens, mode, k, cycle="two-pass", groups=None, tree=0):
+    cfg = lossless.DecodeConfig(max_new_tokens=max_new_tokens, k=k, cycle=cycle, groups=groups, tree=tree)
     state = lossless.decode(model, ids, mode, cfg)
     s = state.stats
     return {"tokens": state.generated, "seconds": s.seconds, "forwards": s.forwards, "steps": max(s.steps, 1),
@@ -89,6 +91,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fused", default=FUSED_DEFAULT,
                     help="orthrus_fused settings as k:groups, comma-separated; the first is `orthrus_fused`, the "
                          "others run side by side as `orthrus_fused[k:groups]`")
+    ap.add_argument("--tree", default="16",
+                    help="orthrus_tree node budgets, comma-separated; the first is `orthrus_tree`, the others run side "
+                         "by side as `orthrus_tree[N]`")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     args = ap.parse_args(argv)
     try:
@@ -101,6 +106,9 @@ def main(argv=None) -> int:
         fused = [parse_fused(f) for f in args.fused.split(",") if f]
         if "orthrus_fused" in methods and not fused:
             raise LosslessError("--fused needs at least one k:groups setting")
+        trees = [positive_int(t, f"--tree '{t}': expected node budgets >= 1, e.g. 8,16") for t in args.tree.split(",") if t]
+        if "orthrus_tree" in methods and not trees:
+            raise LosslessError("--tree needs at least one node budget")
         kernels = [a for a in args.attn.split(",") if a]
         model = lossless.load_model(args.model, args.dtype, attn=kernels[0], head=args.head)
         extra = {a: lossless.load_model(args.model, args.dtype, attn=a, head=args.head) for a in kernels[1:]}
@@ -119,6 +127,9 @@ def main(argv=None) -> int:
             k, groups = setting
             name = "orthrus_fused" if j == 0 else f"orthrus_fused[{k}{f':{groups}' if groups else ''}]"
             variants[name] = (model, "orthrus_fused", setting)
+    if "orthrus_tree" in methods:
+        for j, nodes in enumerate(trees):
+            variants["orthrus_tree" if j == 0 else f"orthrus_tree[{nodes}]"] = (model, "orthrus_tree", nodes)
     for a, extra_model in extra.items():
         for m in ("ar", "orthrus"):
             variants[f"{m}@{a}"] = (extra_model, m, None)
@@ -139,6 +150,8 @@ def main(argv=None) -> int:
                     r = run_hf(runner, ids, args.max_new_tokens, eos, counter)
                 elif kind == "prompt_lookup":
                     r = run_hf(runner, ids, args.max_new_tokens, eos, counter, prompt_lookup=True)
+                elif kind == "orthrus_tree":
+                    r = run_ours(runner, ids, args.max_new_tokens, "orthrus", args.k, tree=setting)
                 elif kind == "orthrus_fused":
                     r = run_ours(runner, ids, args.max_new_tokens, "orthrus", setting[0], "fused", setting[1])
                 else:

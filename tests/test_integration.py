@@ -56,3 +56,12 @@ def test_fused_cycle_equals_ar_on_the_embedded_model(smollm2):
     for prompt in PROMPTS:
         assert smollm2.generate(prompt, mode="orthrus", cycle="fused", max_new_tokens=N_NEW).token_ids == \
             smollm2.generate(prompt, mode="ar", max_new_tokens=N_NEW).token_ids
+
+
+def test_a_candidate_tree_equals_ar_on_the_embedded_model(smollm2):
+    for prompt in PROMPTS:
+        ar = smollm2.generate(prompt, mode="ar", max_new_tokens=2 * N_NEW)
+        for nodes in (8, 24):
+            tree = smollm2.generate(prompt, mode="orthrus", tree=nodes, max_new_tokens=2 * N_NEW)
+            assert tree.token_ids == ar.token_ids
+            assert tree.stats["forwards"] <= 1 + 2 * tree.stats["steps"]

@@ -5,6 +5,8 @@ one greedy trajectory, a `CandidateRun`. Built in:
 
 - `orthrus`: the two-pass Orthrus cycle with the model's draft head (the audit's original subject);
 - `orthrus-fused`: the fused cycle (one forward verifies a block and drafts the next);
+- `orthrus-tree`: the two-pass cycle verifying a tree of DEFAULT_TREE draft candidates (the top drafts and
+  their runners-up) in one forward (stock kernels only);
 - `oracle`: our decode loop with the reference trajectory itself as the drafter, so every draft is right
   and any divergence comes from verifying several tokens in one forward (runs under every kernel, exact
   mode included);
@@ -39,7 +41,7 @@ import torch
 
 from .decoding import DecodeConfig, block_size, decode
 from .errors import LosslessError
-from .names import EXACT
+from .names import DEFAULT_TREE, EXACT
 
 PROMPT_LOOKUP_TOKENS = 10  # draft length of prompt lookup (the Hugging Face documentation's suggestion)
 DEFAULT = "orthrus"
@@ -67,6 +69,7 @@ class Candidate:
     name: str
     run: Runner
     hf_generate: bool = False  # runs Hugging Face generate: stock kernels only
+    stock_only: bool = False  # needs stock kernels for another reason (a tree's attention mask)
 
 
 # ------------------------------------------------------------------------------------ decode-loop ones
@@ -84,6 +87,11 @@ def run_orthrus(model, ids, cfg, reference):
 def run_orthrus_fused(model, ids, cfg, reference):
     cfg = dataclasses.replace(cfg, cycle="fused")
     return _from_state(decode(model, ids, "orthrus", cfg), "fused", block_size(model.k, cfg))
+
+
+def run_orthrus_tree(model, ids, cfg, reference):
+    cfg = dataclasses.replace(cfg, cycle="two-pass", tree=cfg.tree or DEFAULT_TREE)
+    return _from_state(decode(model, ids, "orthrus", cfg), "two-pass", block_size(model.k, cfg))
 
 
 def oracle_drafter(reference: list[int]):
@@ -148,6 +156,7 @@ def run_hf_greedy(model, ids, cfg, reference):
 BUILTIN = {
     "orthrus": Candidate("orthrus", run_orthrus),
     "orthrus-fused": Candidate("orthrus-fused", run_orthrus_fused),
+    "orthrus-tree": Candidate("orthrus-tree", run_orthrus_tree, stock_only=True),
     "oracle": Candidate("oracle", run_oracle),
     "prompt-lookup": Candidate("prompt-lookup", run_prompt_lookup, hf_generate=True),
     "self-assisted": Candidate("self-assisted", run_self_assisted, hf_generate=True),
@@ -213,6 +222,9 @@ def resolve(name: str) -> Candidate:
 
 def check_kernel(name: str, attn: str) -> None:
     """Refuse a candidate that cannot run under `attn` (HF generate cannot drive the exact kernels)."""
-    if attn == EXACT and resolve(name).hf_generate:
+    candidate = resolve(name)
+    if attn == EXACT and candidate.hf_generate:
         raise LosslessError(f"candidate '{name}' runs Hugging Face generate, which cannot drive the exact kernels: "
                             f"audit it under sdpa or eager")
+    if attn == EXACT and candidate.stock_only:
+        raise LosslessError(f"candidate '{name}' verifies a tree, which exact mode does not: audit it under sdpa or eager")

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .errors import LosslessError
-from .names import ATTN_KERNELS, CYCLES, DTYPE_NAMES, MODES, check_cycle
+from .names import ATTN_KERNELS, CYCLES, DEFAULT_TREE, DTYPE_NAMES, MODES, check_cycle, check_tree
 
 
 def _add_model_args(p: argparse.ArgumentParser, dtype: str = "fp32", *, head: bool = True, attn: bool = True,
@@ -65,12 +65,14 @@ def cmd_generate(args) -> int:
     if args.k is not None and args.k < 1:
         raise LosslessError(f"--k must be >= 1, got {args.k}")
     _check_cycle_args(args)
-    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.mode == "orthrus":
+        check_tree(args.tree, args.cycle, sampling.greedy, args.attn)
     model = load_model(args.model, args.dtype, args.device, args.attn, head=args.head)
     stream = (lambda s: (sys.stdout.write(s), sys.stdout.flush())) if not args.json else None
     out = model.generate(args.prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, k=args.k,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                         chat_template=not args.no_chat_template, cycle=args.cycle, groups=args.groups,
+                         chat_template=not args.no_chat_template, cycle=args.cycle, groups=args.groups, tree=args.tree,
                          on_text=stream)
     if args.json:
         print(json.dumps(out.to_dict(), ensure_ascii=False))
@@ -318,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many generated tokens")
     g.add_argument("--k", type=int, default=None, help="block size (default: the head's k; --cycle fused: at most 3)")
     _add_cycle_args(g)
+    g.add_argument("--tree", type=int, nargs="?", const=DEFAULT_TREE, default=0, metavar="NODES",
+                   help=f"two-pass, greedy: verify a tree of NODES draft candidates (the top drafts and their runners-up; "
+                        f"{DEFAULT_TREE} without a number) instead of one chain")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = no filter)")
     g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set with this mass (1 = no filter)")

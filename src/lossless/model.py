@@ -222,6 +222,37 @@ class OrthrusLM(nn.Module):
         """One AR decoding step: feed `token` at position cache length. Returns next-token logits [V]."""
         return self.verify(cache, [token])[-1]
 
+    @torch.no_grad()
+    def verify_tree(self, cache: DynamicCache, ids: list[int], parents: list[int]) -> torch.Tensor:
+        """AR view over a token tree starting at position cache length: row 0 is the root, row i (> 0) has
+        parent row parents[i] < i and sits one position after it. Each row sees the cache, its ancestors and
+        itself; every row is appended to the cache (`keep_cache_rows` keeps a path). Returns logits [len(ids), V]."""
+        pos, n = cache.get_seq_length(), len(ids)
+        depth, visible = [0] * n, torch.zeros(n, pos + n, dtype=torch.bool)
+        visible[:, :pos] = True
+        for i in range(n):
+            if i:
+                depth[i] = depth[parents[i]] + 1
+                visible[i, pos: pos + i] = visible[parents[i], pos: pos + i]
+            visible[i, pos + i] = True
+        position_ids = torch.tensor([[pos + d for d in depth]], device=self.device)
+        mask = additive_mask(visible, self.dtype).to(self.device)
+        with exact.first_position(pos):
+            out = self.backbone.model(input_ids=torch.tensor([ids], device=self.device), position_ids=position_ids,
+                                      attention_mask=mask, cache=cache, use_cache=True)
+        return self.backbone.lm_head(out.last_hidden_state[0])
+
+    @staticmethod
+    def keep_cache_rows(cache: DynamicCache, start: int, rows: list[int]) -> None:
+        """Move the cache entries at start + rows[j] to start + j (a tree's accepted path), in every layer; the
+        caller crops what lies beyond."""
+        if rows == list(range(len(rows))):
+            return
+        for layer in cache.layers:
+            index = torch.tensor(rows, device=layer.keys.device) + start
+            for tensor in (layer.keys, layer.values):
+                tensor[:, :, start: start + len(rows)] = tensor.index_select(2, index)
+
     def block_embeddings(self, anchor_ids: torch.Tensor, k: int) -> torch.Tensor:
         """Embeddings of blocks `[anchor, MASK x (k-1)]`: anchor_ids [n] -> [1, n*k, d]."""
         embed = self.backbone.get_input_embeddings()
@@ -302,10 +333,11 @@ class OrthrusLM(nn.Module):
     # ------------------------------------------------------------------------------------------ generate
     def generate(self, prompt: str | list[int], mode: str = "orthrus", *, max_new_tokens: int = 128,
                  k: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 chat_template: bool = True, cycle: str = "two-pass", groups: int | None = None, on_text=None,
-                 on_tokens=None) -> GenerationOutput:
+                 chat_template: bool = True, cycle: str = "two-pass", groups: int | None = None, tree: int = 0,
+                 on_text=None, on_tokens=None) -> GenerationOutput:
         """Decode `prompt` (text, or token ids used as-is) with `mode` ("ar" | "orthrus"); orthrus runs the
-        `cycle` "two-pass" (draft, then verify) or "fused" (one forward per cycle, `groups` draft groups).
+        `cycle` "two-pass" (draft, then verify) or "fused" (one forward per cycle, `groups` draft groups);
+        `tree` > 0 (two-pass, greedy) verifies a tree of that many draft candidates instead of one chain.
 
         on_text(str) receives text as tokens are committed; on_tokens(list[int]) the committed ids.
         Returns a GenerationOutput(text, token_ids, stats, prompt_ids, finish_reason).
@@ -315,7 +347,7 @@ class OrthrusLM(nn.Module):
 
         prompt_ids = list(prompt) if isinstance(prompt, (list, tuple)) else encode_prompt(self.tokenizer, prompt,
                                                                                           chat_template)
-        cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=k, cycle=cycle, groups=groups,
+        cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=k, cycle=cycle, groups=groups, tree=tree,
                            sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
         stream = StreamDecoder(self.tokenizer) if (on_text and self.tokenizer is not None) else None
 

@@ -28,6 +28,23 @@ def check_cycle(cycle: str) -> str:
     return cycle
 
 
+DEFAULT_TREE = 16  # nodes of the candidate tree `--tree` without a number and the `orthrus-tree` candidate use
+
+
+def check_tree(tree: int, cycle: str, greedy: bool, attn: str | None) -> None:
+    """A candidate tree (`tree` nodes, 0 = none) runs in the two-pass cycle, greedy, on stock kernels."""
+    if not tree:
+        return
+    if tree < 0:
+        raise LosslessError(f"--tree must be >= 0 (0 = no tree), got {tree}")
+    if cycle != "two-pass":
+        raise LosslessError("--tree works with the two-pass cycle; drop --tree or --cycle fused")
+    if not greedy:
+        raise LosslessError("--tree works with greedy decoding; drop --tree or --temperature")
+    if attn == EXACT:
+        raise LosslessError("--tree runs on stock kernels; exact mode verifies chains: drop --tree or --attn exact")
+
+
 def check_attn(attn: str) -> str:
     if attn not in ATTN_KERNELS:
         raise LosslessError(f"unknown attention kernel '{attn}': choose one of {', '.join(ATTN_KERNELS)}")
