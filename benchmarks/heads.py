@@ -3,6 +3,7 @@
 For every head (greedy decoding on one loaded backbone, heads swapped in turn):
 - two-pass: tokens per draft+verify cycle at the head's own k, the acceptance histogram, and the rate at
   which draft j is accepted once drafts 1..j-1 were;
+- two-pass with a candidate tree (`--tree`, 16 nodes): tokens per cycle;
 - fused (k=3, a group for every acceptance count): tokens per forward, prefill included.
 
 Prompts: by default the held-out prompts that neither the speed benchmark (the first 6) nor head
@@ -10,7 +11,7 @@ publishing during training (the last 8) looks at, so no head was chosen on them.
 first is compared with the first on the same prompts: the mean per-prompt difference in tokens per cycle
 with its 95% t-interval. The last stdout line is one JSON object.
 
-    python benchmarks/heads.py heads/smollm2-135m heads/smollm2-135m-ab37ba07 --dtype bf16 --max-new-tokens 96
+    python benchmarks/heads.py heads/smollm2-135m heads/smollm2-135m-ab37ba07 --dtype bf16 --max-new-tokens 96 --tree 16
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ def acceptance_rates(hist: list[int]) -> list[float]:
     return rates
 
 
-def measure(model, prompts: list[list[int]], max_new_tokens: int, fused_k: int) -> dict:
+def measure(model, prompts: list[list[int]], max_new_tokens: int, fused_k: int, tree: int) -> dict:
     per_prompt, committed, cycles, hist = [], 0, 0, [0] * model.k
-    fused_tokens, fused_forwards = 0, 0
+    fused_tokens, fused_forwards, tree_tokens, tree_cycles = 0, 0, 0, 0
     for ids in prompts:
         two = lossless.decode(model, ids, "orthrus", lossless.DecodeConfig(max_new_tokens=max_new_tokens)).stats
         per_prompt.append(two.tokens_per_step)
@@ -64,10 +65,16 @@ def measure(model, prompts: list[list[int]], max_new_tokens: int, fused_k: int) 
                                                                              cycle="fused")).stats
         fused_tokens += fused.new_tokens
         fused_forwards += fused.forwards
+        if tree:
+            treed = lossless.decode(model, ids, "orthrus", lossless.DecodeConfig(max_new_tokens=max_new_tokens,
+                                                                                 tree=tree)).stats
+            tree_tokens += treed.new_tokens - 1
+            tree_cycles += treed.steps
     return {"k": model.k, "digest": model.head_digest, "tokens_per_cycle": round(committed / max(cycles, 1), 4),
             "per_prompt": [round(x, 4) for x in per_prompt], "accepted_histogram": hist,
             "acceptance_by_draft": acceptance_rates(hist),
-            "fused_tokens_per_forward": round(fused_tokens / max(fused_forwards, 1), 4)}
+            "fused_tokens_per_forward": round(fused_tokens / max(fused_forwards, 1), 4),
+            "tree_tokens_per_cycle": round(tree_tokens / max(tree_cycles, 1), 4) if tree else None}
 
 
 def paired(a: list[float], b: list[float]) -> dict:
@@ -89,6 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", default="6:-8", help="slice of the held-out prompts (default: those no head saw)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--fused-k", type=int, default=3, help="block size of the fused cycle")
+    ap.add_argument("--tree", type=int, default=16, help="nodes of the candidate tree measured (0 = none)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     args = ap.parse_args(argv)
     try:
@@ -111,19 +119,22 @@ def main(argv=None) -> int:
     results: dict[str, dict] = {}
     for label, head in zip(labels, args.heads):
         model.load_head(head)
-        results[label] = measure(model, prompts, args.max_new_tokens, args.fused_k)
+        results[label] = measure(model, prompts, args.max_new_tokens, args.fused_k, args.tree)
         print(f"measured {label}", file=sys.stderr)
     first = labels[0]
     for label in labels[1:]:
         results[label]["vs_first"] = paired(results[first]["per_prompt"], results[label]["per_prompt"])
     print(f"model={args.model} dtype={args.dtype} prompts={len(prompts)} (held-out {args.prompts}) "
           f"max_new_tokens={args.max_new_tokens} threads={torch.get_num_threads()}")
-    print(f"{'head':<28}{'k':>3}{'tok/cycle':>11}{'vs first [95% CI]':>28}{'fused tok/fwd':>15}  accepted: draft 1, 2, 3..")
+    print(f"{'head':<28}{'k':>3}{'tok/cycle':>11}{'vs first [95% CI]':>28}{'tree tok/cycle':>16}{'fused tok/fwd':>15}"
+          "  accepted: draft 1, 2, 3..")
     for label, r in results.items():
         vs = r.get("vs_first")
         vs_text = f"{vs['mean']:+.3f} [{vs['ci95'][0]:+.3f}, {vs['ci95'][1]:+.3f}]" if vs else "-"
         rates = ", ".join(f"{x:.2f}" for x in r["acceptance_by_draft"][:4])
-        print(f"{label:<28}{r['k']:>3}{r['tokens_per_cycle']:>11.3f}{vs_text:>28}{r['fused_tokens_per_forward']:>15.3f}  {rates}")
+        tree_text = f"{r['tree_tokens_per_cycle']:.3f}" if r["tree_tokens_per_cycle"] else "-"
+        print(f"{label:<28}{r['k']:>3}{r['tokens_per_cycle']:>11.3f}{vs_text:>28}{tree_text:>16}"
+              f"{r['fused_tokens_per_forward']:>15.3f}  {rates}")
     print(json.dumps({"prompts": len(prompts), "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
                       "heads": {label: {k: v for k, v in r.items() if k != "per_prompt"} for label, r in results.items()}}))
     return 0
