@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo test test-fast head head-data bench study study-report clean
+.PHONY: install demo test test-fast head head-data head-arms bench study study-report clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,15 +28,16 @@ demo: $(STAMP)
 # checkpoint in runs/ (not committed). The head is published to heads/smollm2-135m whenever held-out
 # tokens per cycle beats the head already there; the log and learning curve go to results/head-training/.
 # HEAD_PROCS processes (one per core) split the response generation. Days of CPU: run it in the background.
+comma := ,
 HEAD_PROCS   ?= 1
 DISTILL_DIR  := data/distill/smollm2-135m-bf16-128
 DISTILL_ARGS := --model smollm2-135m --dtype bf16 --prompts data/distill_prompts.jsonl --out $(DISTILL_DIR) \
 	--max-new-tokens 128 --batch 32
 HEAD_RUN     := runs/head-training
-HEAD_ARGS    := --model smollm2-135m --prompts data/distill_prompts.jsonl --distill-dir $(DISTILL_DIR) \
-	--out $(HEAD_RUN) --k 8 --steps 20000 --lr 3e-4 --warmup 100 --seqs-per-step 4 --anchors 32 \
-	--save-every 20 --eval-every 100 --eval-prompts 8 --eval-tokens 96 --encoding delta_int8 --seed 0 \
-	--log results/head-training/log.jsonl --publish heads/smollm2-135m
+HEAD_COMMON  := --model smollm2-135m --prompts data/distill_prompts.jsonl --distill-dir $(DISTILL_DIR) \
+	--k 8 --steps 20000 --lr 3e-4 --warmup 100 --seqs-per-step 4 --anchors 32 \
+	--save-every 20 --eval-every 100 --eval-prompts 8 --eval-tokens 96 --encoding delta_int8 --seed 0
+HEAD_ARGS    := $(HEAD_COMMON) --out $(HEAD_RUN) --log results/head-training/log.jsonl --publish heads/smollm2-135m
 head-data: $(STAMP)
 	if [ "$(HEAD_PROCS)" = 1 ]; then $(BIN)/lossless distill $(DISTILL_ARGS); \
 	else OMP_NUM_THREADS=1 $(BIN)/accelerate launch --multi_gpu --num_processes $(HEAD_PROCS) --num_machines 1 \
@@ -47,6 +48,25 @@ head: head-data
 	if [ -f $(HEAD_RUN)/checkpoint.pt ] || grep -qs '"log": "results/head-training/log.jsonl"' heads/smollm2-135m/head.json; \
 	then $(BIN)/lossless train $(HEAD_ARGS) --resume; else $(BIN)/lossless train $(HEAD_ARGS); fi
 	$(BIN)/lossless curve results/head-training/log.jsonl --out results/head-training --labels smollm2-135m
+
+# Objective arms (results/head-training/README.md): from the head in ARMS_FROM (a head of this run, at
+# its step S), each arm trains ARMS_STEPS steps with one change to the objective; `baseline` changes
+# nothing and reproduces the run (a change overrides the run's own setting, e.g. --k=4 its --k 8). Then
+# benchmarks/heads.py compares them on held-out prompts no head saw.
+ARMS_FROM  ?= heads/smollm2-135m
+ARMS_STEPS ?= 100
+ARMS       := baseline: position-decay-0.8:--position-decay=0.8 mask-lr-x10:--mask-lr-mult=10 k4:--k=4 \
+	fused-weights:--position-weights=0,1,1,1,1,1,1
+head-arms: $(STAMP)
+	step=$$($(BIN)/python -c "import json,sys; print(json.load(open('$(ARMS_FROM)/head.json'))['training']['step'])"); \
+	for arm in $(ARMS); do name=$${arm%%:*}; change=$${arm#*:}; \
+	  [ -f runs/arms/$$name/done ] || { OMP_NUM_THREADS=1 $(BIN)/lossless train $(HEAD_COMMON) --init-head $(ARMS_FROM) \
+	    --stop-at $$((step + $(ARMS_STEPS))) --out runs/arms/$$name --log results/head-training/arms/$$name.jsonl $$change \
+	    --no-progress && touch runs/arms/$$name/done; }; \
+	done
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/heads.py $(ARMS_FROM) $(foreach a,$(ARMS),runs/arms/$(firstword $(subst :, ,$(a)))) \
+	  --labels start,$(subst $(eval) ,$(comma),$(foreach a,$(ARMS),$(firstword $(subst :, ,$(a))))) --threads 1 \
+	  | tee results/head-training/arms/heads.txt
 
 # the full study (results/full-study/README.md): resumable from the committed records, on any machine;
 # STUDY_PROCS processes (one per core) split the items by rank. Days of CPU: run it in the background.
