@@ -3,7 +3,7 @@
 For every head (greedy decoding on one loaded backbone, heads swapped in turn):
 - two-pass: tokens per draft+verify cycle at the head's own k, the acceptance histogram, and the rate at
   which draft j is accepted once drafts 1..j-1 were;
-- two-pass with a candidate tree (`--tree`, 16 nodes): tokens per cycle;
+- two-pass with a candidate tree (`--tree`, default 16 nodes): tokens per cycle;
 - fused (k=3, a group for every acceptance count): tokens per forward, prefill included.
 
 Prompts: by default the held-out prompts that neither the speed benchmark (the first 6) nor head
