@@ -26,7 +26,7 @@ from typing import Callable, Protocol
 import torch
 
 from .errors import LosslessError
-from .names import DEFAULT_TREE, check_cycle, check_mode, check_tree  # noqa: F401 (DEFAULT_TREE: re-exported)
+from .names import check_cycle, check_mode, check_tree
 from .sampling import SamplingConfig, argmax, sample
 
 
