@@ -375,3 +375,43 @@ def test_sigterm_stops_a_run_cleanly_with_its_records_compressed(tmp_path):
     assert 0 < done < 12
     assert run_audit(config(suite, dtypes=["fp32"]), out, load=tiny_loader, progress=False)["new_records"] == 12 - done
     assert signal.getsignal(signal.SIGTERM) is before  # the run's handler is gone again
+
+
+def test_a_second_signal_during_the_last_roll_does_not_cut_it_short(tmp_path, monkeypatch):
+    """A launcher forwards the `kill` its workers also got: the second SIGTERM lands while the stopping
+    process compresses its records. The roll completes, then the stop goes on."""
+    import signal
+
+    import lossless.records as records_mod
+
+    store = records_mod.RecordStore(tmp_path / "run", "shard-1-of-2")
+    real_compress = records_mod.gzip.compress
+
+    def compress_while_killed(data, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)  # the second signal, delivered mid-roll
+        return real_compress(data, **kw)
+
+    monkeypatch.setattr(records_mod.gzip, "compress", compress_while_killed)
+    with pytest.raises(KeyboardInterrupt):
+        with store.session():
+            store.append([{"key": "a", "v": 1}, {"key": "b", "v": 2}])
+            raise KeyboardInterrupt  # the first signal stopped the run
+    assert store.plain.read_text() == ""
+    assert [r["key"] for r in read_records(tmp_path / "run", at_rest=True)] == ["a", "b"]
+
+
+def test_roll_all_commits_what_another_writer_left_and_a_live_writer_keeps_appending(tmp_path):
+    """Records a killed rank left in its plain file reach the segments through `report --at-rest`; a writer
+    still running keeps appending to the same (emptied in place) file and loses nothing."""
+    from lossless.records import RecordStore, roll_all
+
+    run = tmp_path / "run"
+    dead, live = RecordStore(run, "shard-1-of-2"), RecordStore(run, "shard-0-of-2")
+    dead.append([{"key": "d1"}])
+    live.append([{"key": "l1"}])
+    inode = live.plain.stat().st_ino
+    assert len(roll_all(run)) == 2 and read_records(run, at_rest=True) == [{"key": "l1"}, {"key": "d1"}]
+    live.append([{"key": "l2"}])  # the running writer's next item
+    assert live.plain.stat().st_ino == inode and live.plain.read_text() == '{"key":"l2"}\n'
+    assert roll_all(run) and roll_all(run) == []  # nothing left to roll the second time
+    assert sorted(r["key"] for r in read_records(run, at_rest=True)) == ["d1", "l1", "l2"]

@@ -166,6 +166,26 @@ def test_summary_is_rebuilt_byte_for_byte_whatever_files_hold_the_records(run_di
     assert (tmp_path / "a" / "summary.json").read_bytes() == (tmp_path / "b" / "summary.json").read_bytes()
 
 
+def test_the_at_rest_report_first_rolls_what_a_killed_writer_left_in_its_plain_file(run_dir, tmp_path, capsys):
+    """`lossless report --at-rest` (what `make study-report` runs before a commit) counts every record: a
+    rank killed before its last roll leaves them in its plain file, and they are rolled into a segment."""
+    import gzip
+
+    from lossless.cli import main
+
+    records, _ = load_run(run_dir)
+    other = tmp_path / "other"
+    (other / "records").mkdir(parents=True)
+    (other / "run.json").write_text((run_dir / "run.json").read_text())
+    (other / "records" / "shard-0-of-2.20260101T000000.jsonl.gz").write_bytes(gzip.compress(_lines(records[:3]).encode()))
+    (other / "records" / "shard-1-of-2.jsonl").write_text(_lines(records[3:]))
+    assert main(["report", str(other), "--at-rest", "--out", str(tmp_path / "out")]) == 0
+    assert "rolled unrolled records" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["n_records"] == len(records) and (other / "records" / "shard-1-of-2.jsonl").read_text() == ""
+    assert len(summary["record_segments"]) == 2
+
+
 def test_the_committed_study_summary_is_rebuilt_byte_for_byte_from_its_records(tmp_path):
     """From the segments the committed summary names (a running study may have rolled newer ones since)."""
     import shutil

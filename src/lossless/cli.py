@@ -255,6 +255,11 @@ def cmd_report(args) -> int:
     from .report import write_report
 
     out = Path(args.out or args.run_dir)
+    if args.at_rest:
+        from .records import roll_all
+
+        for seg in roll_all(args.run_dir):
+            print(f"rolled unrolled records into {seg}")
     summary = write_report(args.run_dir, out, at_rest=args.at_rest)
     print(f"report: {out / 'report.md'}")
     for c in summary["configs"]:
@@ -416,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir", help="the --out directory of `lossless audit`")
     r.add_argument("--out", default=None, help="where to write (default: the run directory)")
     r.add_argument("--at-rest", action="store_true",
-                   help="only the compressed record segments (what is committed), not a running writer's plain file")
+                   help="first roll every writer's plain records into compressed segments (safe while an "
+                        "audit runs), then report from the segments only: what a checkout of them holds")
     r.set_defaults(func=cmd_report)
 
     pr = sub.add_parser("probe", help="name the first op where a block pass differs from one-token-at-a-time")

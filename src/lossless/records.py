@@ -13,6 +13,10 @@ A run directory keeps its per-pair records under `records/`:
 Readers take every segment and plain file in name order; the first record seen for a key wins, so a
 kill between writing a segment and emptying the plain file (which leaves both) costs nothing.
 
+A plain file is appended to, rolled and repaired under an exclusive `flock`, and emptied in place, so any
+process may roll any writer's plain file, even while that writer runs (`roll_all`, which the at-rest
+report uses: records a killed process left unrolled reach the committed segments too).
+
 Older run directories keep `records*.jsonl` at the top level; they are read too.
 
 This module knows files and keys only; what a record holds is the audit's business.
@@ -21,6 +25,7 @@ This module knows files and keys only; what a record holds is the audit's busine
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gzip
 import json
 import os
@@ -122,15 +127,16 @@ class RecordStore:
         """Cut a torn last line off this writer's plain file, and drop lines a segment already holds."""
         if not self.plain.exists():
             return
-        data = self.plain.read_bytes()
-        if data and not data.endswith(b"\n"):
-            data = data[: data.rfind(b"\n") + 1]
-        rolled = {r["key"] for seg in self.segments() for r in map(_parse, _lines(seg)) if r is not None}
-        kept = [ln for ln in data.decode("utf-8", errors="replace").splitlines(keepends=True)
-                if (r := _parse(ln)) is not None and r["key"] not in rolled]
-        new = "".join(kept).encode("utf-8")
-        if new != self.plain.read_bytes():
-            atomic_write(self.plain, new)
+        with _locked(self.plain) as f:
+            original = data = f.read()
+            if data and not data.endswith(b"\n"):
+                data = data[: data.rfind(b"\n") + 1]
+            rolled = {r["key"] for seg in self.segments() for r in map(_parse, _lines(seg)) if r is not None}
+            kept = [ln for ln in data.decode("utf-8", errors="replace").splitlines(keepends=True)
+                    if (r := _parse(ln)) is not None and r["key"] not in rolled]
+            new = "".join(kept).encode("utf-8")
+            if new != original:
+                _rewrite(f, new)
 
     def segments(self) -> list[Path]:
         return sorted(self.dir.glob(f"{self.writer}.*.jsonl.gz"))
@@ -138,8 +144,10 @@ class RecordStore:
     def append(self, records: list[dict]) -> None:
         """Write one item's records in one write, then flush and fsync: the item is wholly done or wholly
         to redo after a kill."""
-        with self.plain.open("a", encoding="utf-8") as f:
-            f.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
+        payload = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode("utf-8")
+        with _locked(self.plain) as f:
+            f.seek(0, os.SEEK_END)
+            f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         if self.roll_seconds is not None and time.monotonic() - self._last_roll > self.roll_seconds:
@@ -154,29 +162,87 @@ class RecordStore:
         try:
             yield self
         finally:
-            self.roll()
-            restore()
+            # a second signal (a launcher forwarding the `kill` its workers also got, a second Ctrl-C) must
+            # not cut the last roll short: the records would stay in the plain file, outside the segments
+            try:
+                with _signals_deferred():
+                    self.roll()
+            finally:
+                restore()
 
     def roll(self) -> Path | None:
         """Move the plain file's records into a new gzip segment; returns it (None when there was nothing)."""
         self._last_roll = time.monotonic()
-        if not self.plain.exists() or self.plain.stat().st_size == 0:
-            return None
-        lines = list(_lines(self.plain))
+        return _roll(self.plain, self.writer)
+
+
+def roll_all(run_dir: str | Path) -> list[Path]:
+    """Roll every writer's plain file of a run into a segment (safe beside running writers); returns the
+    new segments."""
+    store = Path(run_dir) / RECORDS_DIR
+    plains = sorted(store.glob("*.jsonl")) if store.is_dir() else []
+    return [seg for p in plains if (seg := _roll(p, p.name[: -len(".jsonl")])) is not None]
+
+
+def _roll(plain: Path, writer: str) -> Path | None:
+    if not plain.exists() or plain.stat().st_size == 0:
+        return None
+    with _locked(plain) as f:
+        lines = [ln for ln in f.read().decode("utf-8", errors="replace").splitlines(keepends=True)
+                 if ln.endswith("\n")]
         if not lines:
             return None
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        seg = self.dir / f"{self.writer}.{stamp}.jsonl.gz"
+        seg = plain.parent / f"{writer}.{stamp}.jsonl.gz"
         n = 1
         while seg.exists():  # two rolls within a second
             n += 1
-            seg = self.dir / f"{self.writer}.{stamp}-{n}.jsonl.gz"
+            seg = plain.parent / f"{writer}.{stamp}-{n}.jsonl.gz"
         # mtime=0: the same records always compress to the same bytes
         payload = gzip.compress("".join(lines).encode("utf-8"), compresslevel=9, mtime=0)
         atomic_write(seg, payload)
         # only now forget them; a kill before this line leaves duplicates that readers drop
-        atomic_write(self.plain, b"")
-        return seg
+        _rewrite(f, b"")
+    return seg
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """The file open for reading and writing (created if missing), at offset 0, under an exclusive lock."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    with os.fdopen(fd, "r+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield f
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _rewrite(f, data: bytes) -> None:
+    """Replace a locked file's contents in place (same inode, so writers waiting on the lock see them)."""
+    f.seek(0)
+    f.truncate()
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """SIGINT and SIGTERM arriving inside the block are held and delivered (re-raised) after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if held:
+            signal.raise_signal(held[0])
 
 
 def _stop_cleanly_on_sigterm():
