@@ -114,3 +114,15 @@ def test_a_path_of_runner_up_drafts_is_accepted_and_its_cache_rows_are_kept(mode
 def test_bad_tree_requests_are_refused(models, cfg, needle):
     with pytest.raises(LosslessError, match=needle):
         decode(models["llama"][0], PROMPTS[0], "orthrus", cfg)
+
+
+def test_tree_visibility_of_a_chain_is_causal_and_a_tree_sees_only_its_ancestors():
+    """The one mask builder behind verify_tree and the fused cycle's verify rows."""
+    from lossless.dualview import tree_visibility
+
+    chain, depth = tree_visibility([-1, 0, 1, 2, 3], 3)
+    assert torch.equal(chain, torch.ones(5, 8, dtype=torch.bool).tril(3)) and depth == [0, 1, 2, 3, 4]
+    visible, depth = tree_visibility([-1, 0, 0, 1, 2], 2)  # root; two children; a grandchild under each
+    assert depth == [0, 1, 1, 2, 2]
+    assert visible[:, :2].all()
+    assert [row.nonzero().flatten().tolist() for row in visible[:, 2:]] == [[0], [0, 1], [0, 2], [0, 1, 3], [0, 2, 4]]

@@ -71,6 +71,22 @@ def block_visibility(anchors: list[int], k: int, n_ctx: int) -> torch.Tensor:
     return visible
 
 
+def tree_visibility(parents: list[int], n_ctx: int) -> tuple[torch.Tensor, list[int]]:
+    """The AR view's mask over a token tree after n_ctx cached keys, for verifying candidate trees and the
+    fused cycle's verify rows (a chain: parents [-1, 0, 1, ...], i.e. causal): visibility [n, n_ctx + n]
+    (row i sees every cached key, its ancestors and itself) and each row's depth (row 0, the root, is 0;
+    row i > 0 sits one position after its parent parents[i] < i)."""
+    n = len(parents)
+    depth, visible = [0] * n, torch.zeros(n, n_ctx + n, dtype=torch.bool)
+    visible[:, :n_ctx] = True
+    for i in range(n):
+        if i:
+            depth[i] = depth[parents[i]] + 1
+            visible[i, n_ctx: n_ctx + i] = visible[parents[i], n_ctx: n_ctx + i]
+        visible[i, n_ctx + i] = True
+    return visible, depth
+
+
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """bool [q, kv] -> additive float mask [1, 1, q, kv] (0 where visible, dtype-min elsewhere)."""
     mask = torch.zeros(visible.shape, dtype=dtype)

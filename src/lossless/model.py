@@ -26,7 +26,7 @@ from . import head as headfile
 from .decoding import DecodeConfig, GenerationOutput, decode
 from .dtypes import dtype_name
 from .dualview import (DraftSpec, additive_mask, backbone_parameters, block_visibility, diff_parameters,
-                       diff_reference_parameters, install_dual_view)
+                       diff_reference_parameters, install_dual_view, tree_visibility)
 from .errors import LosslessError
 from .names import EXACT, check_attn
 
@@ -227,14 +227,8 @@ class OrthrusLM(nn.Module):
         """AR view over a token tree starting at position cache length: row 0 is the root, row i (> 0) has
         parent row parents[i] < i and sits one position after it. Each row sees the cache, its ancestors and
         itself; every row is appended to the cache (`keep_cache_rows` keeps a path). Returns logits [len(ids), V]."""
-        pos, n = cache.get_seq_length(), len(ids)
-        depth, visible = [0] * n, torch.zeros(n, pos + n, dtype=torch.bool)
-        visible[:, :pos] = True
-        for i in range(n):
-            if i:
-                depth[i] = depth[parents[i]] + 1
-                visible[i, pos: pos + i] = visible[parents[i], pos: pos + i]
-            visible[i, pos + i] = True
+        pos = cache.get_seq_length()
+        visible, depth = tree_visibility(parents, pos)
         position_ids = torch.tensor([[pos + d for d in depth]], device=self.device)
         mask = additive_mask(visible, self.dtype).to(self.device)
         with exact.first_position(pos):
@@ -313,7 +307,7 @@ class OrthrusLM(nn.Module):
         steps = torch.arange(rows, device=self.device)
         position_ids = torch.cat([pos + torch.arange(v, device=self.device),
                                   (pos + offsets[:, None] + steps).reshape(-1)])[None]
-        causal = torch.ones(v, pos + v, dtype=torch.bool).tril(pos)  # row r sees keys 0..pos+r
+        causal, _ = tree_visibility(list(range(-1, v - 1)), pos)  # a chain: row r sees keys 0..pos+r
         verify_mask = additive_mask(causal, self.dtype).to(self.device)
         group_mask = additive_mask(block_visibility([pos + n for n in anchors], rows, pos + v), self.dtype)
         spec = DraftSpec(context_mask=group_mask.to(self.device), verify_rows=v, verify_mask=verify_mask)
