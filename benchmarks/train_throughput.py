@@ -2,12 +2,13 @@
 
 A step is `--seqs` sequences of `--length` tokens (a prompt of `--prompt` tokens plus the response) with
 `--anchors` blocks each; token ids come from the model's own greedy responses to held-out prompts (the
-content does not change the cost). Settings are `autocast:anchors` pairs, e.g. `off:32,bf16:32,bf16:64`.
+content does not change the cost). Settings are `autocast:anchors[:k]`, e.g. `off:32,bf16:32,bf16:64:4` (k: the
+block size trained, default the model's).
 Reported per setting: seconds per step (median over rounds), sequence tokens per second, and supervised
 positions per second (block positions with a target: what the loss learns from). The last stdout line
 is one JSON object.
 
-    python benchmarks/train_throughput.py --settings off:32,bf16:32,bf16:64,bf16:96 --rounds 3
+    python benchmarks/train_throughput.py --settings off:32,bf16:32,bf16:64,bf16:96,bf16:32:4 --rounds 3
 """
 
 from __future__ import annotations
@@ -28,14 +29,16 @@ from lossless.text import encode_prompt
 from lossless.training import DistillLoss, FrozenCast, choose_anchors, resolve_autocast, step_rng
 
 
-def parse_settings(text: str) -> list[tuple[str, int]]:
+def parse_settings(text: str) -> list[tuple[str, int, int | None]]:
     out = []
     for item in text.split(","):
-        cast, _, anchors = item.strip().partition(":")
+        cast, anchors, *k = item.strip().split(":")
         try:
-            out.append((cast, int(anchors)))
+            if len(k) > 1:
+                raise ValueError
+            out.append((cast, int(anchors), int(k[0]) if k else None))
         except ValueError:
-            raise LosslessError(f"--settings '{item}': expected autocast:anchors, e.g. bf16:64") from None
+            raise LosslessError(f"--settings '{item}': expected autocast:anchors[:k], e.g. bf16:64 or bf16:64:4") from None
     return out
 
 
@@ -61,20 +64,21 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     settings = parse_settings(args.settings)
     model = lossless.load_model(args.model, "fp32", head="none")
+    settings = [(c, a, k or model.k) for c, a, k in settings]
     for p in model.backbone_parameters().values():
         p.requires_grad_(False)
     seqs = sequences(model, args.seqs, args.length, args.prompt)
-    loss_fn = DistillLoss(model, model.k)
-    casts = {c: FrozenCast(model, resolve_autocast(c, model.device)) for c, _ in settings}
+    losses = {k: DistillLoss(model, k) for _, _, k in settings}
+    casts = {c: FrozenCast(model, resolve_autocast(c, model.device)) for c, _, _ in settings}
 
-    def one_step(cast: str, anchors: int, r: int) -> tuple[float, int, int]:
+    def one_step(cast: str, anchors: int, k: int, r: int) -> tuple[float, int, int]:
         t0 = time.perf_counter()
         tokens = positions = 0
         with casts[cast].step():
             for j, ids in enumerate(seqs):
                 n_prompt = min(args.prompt, len(ids) - 2)
                 a = choose_anchors(step_rng(r, 0, j), n_prompt, len(ids), anchors)
-                loss, n_pos, _ = loss_fn(ids, n_prompt, a)
+                loss, n_pos, _ = losses[k](ids, n_prompt, a)
                 loss.backward()
                 tokens += len(ids)
                 positions += n_pos
@@ -82,8 +86,8 @@ def main(argv=None) -> int:
             p.grad = None
         return time.perf_counter() - t0, tokens, positions
 
-    times: dict[tuple[str, int], list[float]] = {s: [] for s in settings}
-    counts: dict[tuple[str, int], tuple[int, int]] = {}
+    times: dict[tuple[str, int, int], list[float]] = {s: [] for s in settings}
+    counts: dict[tuple[str, int, int], tuple[int, int]] = {}
     for s in settings:  # warm-up
         one_step(*s, 0)
     for r in range(1, args.rounds + 1):
@@ -92,19 +96,19 @@ def main(argv=None) -> int:
             times[s].append(dt)
             counts[s] = (tokens, positions)
     rows = []
-    for (cast, anchors), ts in times.items():
+    for (cast, anchors, k), ts in times.items():
         sec = statistics.median(ts)
-        tokens, positions = counts[(cast, anchors)]
-        rows.append({"autocast": cast, "anchors": anchors, "seconds_per_step": round(sec, 3),
+        tokens, positions = counts[(cast, anchors, k)]
+        rows.append({"autocast": cast, "anchors": anchors, "k": k, "seconds_per_step": round(sec, 3),
                      "tokens_per_second": round(tokens / sec, 1), "positions_per_second": round(positions / sec, 1)})
     base = rows[0]["positions_per_second"]
-    print(f"{'autocast':>8} {'anchors':>7} {'s/step':>8} {'tokens/s':>9} {'positions/s':>12} {'vs first':>9}")
+    print(f"{'autocast':>8} {'anchors':>7} {'k':>3} {'s/step':>8} {'tokens/s':>9} {'positions/s':>12} {'vs first':>9}")
     for row in rows:
-        print(f"{row['autocast']:>8} {row['anchors']:>7} {row['seconds_per_step']:>8.2f} {row['tokens_per_second']:>9.1f} "
+        print(f"{row['autocast']:>8} {row['anchors']:>7} {row['k']:>3} {row['seconds_per_step']:>8.2f} {row['tokens_per_second']:>9.1f} "
               f"{row['positions_per_second']:>12.1f} {row['positions_per_second'] / base:>8.2f}x")
     from lossless.audit import machine_id
 
-    print(json.dumps({"machine": machine_id(), "seqs": args.seqs, "length": args.length, "k": model.k,
+    print(json.dumps({"machine": machine_id(), "seqs": args.seqs, "length": args.length,
                       "settings": rows}))
     return 0
 
