@@ -127,9 +127,11 @@ def cmd_train(args) -> int:
         max_new_tokens=args.max_new_tokens, distill_batch=args.distill_batch, autocast=args.autocast,
         position_decay=args.position_decay, mask_lr_mult=args.mask_lr_mult, log=args.log or "",
         publish=args.publish or "", position_weights=_floats(args.position_weights, "--position-weights"),
-        init_head=args.init_head or "")
+        init_head=args.init_head or "", draft_adapter=args.draft_adapter)
     if cfg.k < 2:
         raise LosslessError("--k must be >= 2 to train a drafter")
+    if cfg.draft_adapter < 0:
+        raise LosslessError(f"--draft-adapter must be a rank >= 0, got {cfg.draft_adapter}")
     out = Path(cfg.out)
     if (out / training.CHECKPOINT).exists() and not args.resume:
         raise LosslessError(f"{out} already holds a training run: add --resume to continue it, or choose another --out")
@@ -155,6 +157,11 @@ def cmd_train(args) -> int:
     if cfg.init_head:
         model.load_head(cfg.init_head)
         model.k = model.head_info.k = cfg.k  # a head's weights do not depend on k: an arm may train another k
+    if cfg.draft_adapter and model.draft_adapter != cfg.draft_adapter:
+        if model.draft_adapter:
+            raise LosslessError(f"--init-head {cfg.init_head} has draft adapters of rank {model.draft_adapter}; "
+                                f"give --draft-adapter {model.draft_adapter} or leave it out")
+        model.set_draft_adapter(cfg.draft_adapter)
     if not args.distill_dir:
         data_dir = distill.default_dir(cfg.model, cfg.prompts, cfg.max_new_tokens, cfg.dtype)
         if accelerator.is_main_process:
@@ -378,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init-head", default=None,
                    help="start from this head's weights at its training step with a fresh optimiser (e.g. to compare "
                         "objectives from one head)")
+    t.add_argument("--draft-adapter", type=int, default=0, metavar="RANK",
+                   help="train draft-only MLP adapters of this rank with the head (more capacity for the draft view; "
+                        "the AR view is untouched); 0: none")
     t.add_argument("--log", default=None, help="JSONL training log, rewritten at every checkpoint (e.g. under results/)")
     t.add_argument("--publish", default=None,
                    help="head directory written whenever held-out tokens per cycle beats every earlier evaluation")

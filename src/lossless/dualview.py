@@ -8,12 +8,17 @@ projections, attending to the cached AR keys/values (read, never written) and bi
 block itself. Without that keyword the backbone's forward runs unchanged, so the AR view is exactly
 the Hugging Face model.
 
+A head may also carry a draft adapter (`set_draft_adapter`): a small low-rank MLP per layer, `mlp_diff`,
+whose output is added to the backbone MLP's on draft rows only (one layer's attention tells its MLP which
+rows of the forward are draft rows), so the draft view gains capacity while the AR view stays the backbone.
+
 This module owns the attention branch and the installation of diff parameters. It does not know about
 decoding loops, head files or training objectives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from dataclasses import dataclass
@@ -94,11 +99,52 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask[None, None]
 
 
+class _ViewRows:
+    """Where one layer's current forward starts its draft rows (None: no draft rows, the AR view alone). The
+    layer's attention sets it on every call and its MLP, which runs next, reads it."""
+
+    __slots__ = ("start",)
+
+    def __init__(self):
+        self.start: int | None = None
+
+
+class DraftAdapter(nn.Module):
+    """The draft view's MLP adapter of one layer: x -> up(silu(down(x))), rank `rank`. `up` starts at zero,
+    so a new adapter leaves a head's drafts as they were."""
+
+    def __init__(self, hidden: int, rank: int):
+        super().__init__()
+        self.down = nn.Linear(hidden, rank, bias=False)
+        self.up = nn.Linear(rank, hidden, bias=False)
+        nn.init.zeros_(self.up.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(nn.functional.silu(self.down(x)))
+
+
+class DualViewMLPMixin:
+    """Adds the draft adapter's output to a backbone MLP's on the draft rows of a forward; AR rows (and AR
+    forwards) get the parent's output untouched."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        start, adapter = self._orthrus_rows.start, getattr(self, "mlp_diff", None)
+        if start is None or adapter is None or start >= x.shape[1]:
+            return out
+        if start == 0:
+            return out + adapter(x)
+        return torch.cat([out[:, :start], out[:, start:] + adapter(x[:, start:])], dim=1)
+
+
 class DualViewAttentionMixin:
     """Adds the draft view to a backbone attention class; the AR view is the parent's forward."""
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         draft = kwargs.pop("orthrus_draft", None)
+        rows = getattr(self, "_orthrus_rows", None)
+        if rows is not None:
+            rows.start = None if draft is None else draft.verify_rows
         if draft is None:
             return super().forward(
                 hidden_states,
@@ -192,6 +238,13 @@ def _dual_view_class(base: type) -> type:
     return _SUBCLASSES[base]
 
 
+def _dual_view_mlp_class(base: type) -> type:
+    """The subclass `DualView<Base>` of a backbone MLP class, created once per base class."""
+    if base not in _SUBCLASSES:
+        _SUBCLASSES[base] = type(f"DualView{base.__name__}", (DualViewMLPMixin, base), {})
+    return _SUBCLASSES[base]
+
+
 def attention_modules(backbone: nn.Module) -> list[nn.Module]:
     """The self-attention module of every decoder layer, in layer order."""
     layers = getattr(getattr(backbone, "model", None), "layers", None)
@@ -213,6 +266,7 @@ def install_dual_view(backbone: nn.Module) -> None:
         if isinstance(attn, DualViewAttentionMixin):
             continue
         attn.__class__ = _dual_view_class(type(attn))
+        attn._orthrus_rows = _ViewRows()
         for name in DIFF_PROJ + DIFF_NORM:
             source = getattr(attn, name, None)
             if source is None:
@@ -223,8 +277,48 @@ def install_dual_view(backbone: nn.Module) -> None:
             setattr(attn, f"{name}_diff", diff)
 
 
+def set_draft_adapter(backbone: nn.Module, rank: int) -> None:
+    """Give every layer a fresh draft adapter of `rank` (its output starts at zero), or none (rank 0)."""
+    if rank < 0:
+        raise LosslessError(f"a draft adapter's rank must be >= 0, got {rank}")
+    hidden = backbone.config.hidden_size
+    for layer, attn in zip(backbone.model.layers, attention_modules(backbone)):
+        mlp = layer.mlp
+        if rank == 0:
+            if getattr(mlp, "mlp_diff", None) is not None:
+                del mlp.mlp_diff
+            continue
+        weight = next(mlp.parameters())
+        if not isinstance(mlp, DualViewMLPMixin):
+            mlp.__class__ = _dual_view_mlp_class(type(mlp))
+        mlp._orthrus_rows = attn._orthrus_rows
+        mlp.mlp_diff = DraftAdapter(hidden, rank).to(device=weight.device, dtype=weight.dtype)
+
+
+@contextlib.contextmanager
+def draft_adapters_restored_on_error(backbone: nn.Module):
+    """If the block raises, every layer gets back the draft adapter (or none) it had when the block began."""
+    before = [getattr(layer.mlp, "mlp_diff", None) for layer in backbone.model.layers]
+    try:
+        yield
+    except BaseException:
+        for layer, adapter in zip(backbone.model.layers, before):
+            if adapter is not None:
+                layer.mlp.mlp_diff = adapter
+            elif getattr(layer.mlp, "mlp_diff", None) is not None:
+                del layer.mlp.mlp_diff
+        raise
+
+
+def draft_adapter_rank(backbone: nn.Module) -> int:
+    """The rank of the backbone's draft adapters (0: none)."""
+    adapter = getattr(backbone.model.layers[0].mlp, "mlp_diff", None)
+    return 0 if adapter is None else adapter.down.out_features
+
+
 def diff_parameters(backbone: nn.Module) -> dict[str, nn.Parameter]:
-    """Draft-head parameters by head-file name: `layers.{i}.{q,k,v,o}_proj_diff.weight`, ..."""
+    """Draft-head parameters by head-file name: `layers.{i}.{q,k,v,o}_proj_diff.weight`, ..., and with a
+    draft adapter `layers.{i}.mlp_diff.{down,up}.weight`."""
     params: dict[str, nn.Parameter] = {}
     for i, attn in enumerate(attention_modules(backbone)):
         for name in DIFF_PROJ + DIFF_NORM:
@@ -233,6 +327,9 @@ def diff_parameters(backbone: nn.Module) -> dict[str, nn.Parameter]:
                 continue
             for pname, p in module.named_parameters():
                 params[f"layers.{i}.{name}_diff.{pname}"] = p
+        adapter = getattr(backbone.model.layers[i].mlp, "mlp_diff", None)
+        for pname, p in (adapter.named_parameters() if adapter is not None else ()):
+            params[f"layers.{i}.mlp_diff.{pname}"] = p
     return params
 
 
@@ -241,8 +338,9 @@ def backbone_parameters(backbone: nn.Module) -> dict[str, nn.Parameter]:
     return {n: p for n, p in backbone.named_parameters() if "_diff." not in n}
 
 
-def diff_reference_parameters(backbone: nn.Module) -> dict[str, nn.Parameter]:
-    """For each diff parameter name, the AR parameter it was copied from (same key as diff_parameters)."""
+def diff_reference_parameters(backbone: nn.Module) -> dict[str, torch.Tensor]:
+    """For each diff parameter name, the AR parameter it was copied from (same key as diff_parameters); zeros
+    for a draft adapter's weights, which copy nothing."""
     refs: dict[str, nn.Parameter] = {}
     for i, attn in enumerate(attention_modules(backbone)):
         for name in DIFF_PROJ + DIFF_NORM:
@@ -251,4 +349,7 @@ def diff_reference_parameters(backbone: nn.Module) -> dict[str, nn.Parameter]:
                 continue
             for pname, p in module.named_parameters():
                 refs[f"layers.{i}.{name}_diff.{pname}"] = p
+        adapter = getattr(backbone.model.layers[i].mlp, "mlp_diff", None)
+        for pname, p in (adapter.named_parameters() if adapter is not None else ()):
+            refs[f"layers.{i}.mlp_diff.{pname}"] = torch.zeros_like(p)  # stored as int8 over zero
     return refs

@@ -41,6 +41,7 @@ class HeadConfig:
     trained: bool = False
     training: dict = field(default_factory=dict)
     encoding: str = "full"  # "full": tensors as trained; "delta_int8": int8 deltas over the AR weights
+    draft_adapter: int = 0  # rank of the draft view's MLP adapters (0: none; dualview.set_draft_adapter)
 
 
 def backbone_fingerprint(backbone: nn.Module) -> str:
@@ -142,6 +143,8 @@ def _invalid_field(c: HeadConfig) -> str | None:
         return "backbone_signature must be a list of numbers"
     if not isinstance(c.format_version, int):
         return "format_version must be an integer"
+    if not isinstance(c.draft_adapter, int) or isinstance(c.draft_adapter, bool) or c.draft_adapter < 0:
+        return f"draft_adapter must be a non-negative integer, got {c.draft_adapter!r}"
     if c.encoding not in ENCODINGS:
         return f"unknown encoding {c.encoding!r}"
     return None

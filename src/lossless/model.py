@@ -26,7 +26,8 @@ from . import head as headfile
 from .decoding import DecodeConfig, GenerationOutput, decode
 from .dtypes import dtype_name
 from .dualview import (DraftSpec, additive_mask, backbone_parameters, block_visibility, diff_parameters,
-                       diff_reference_parameters, install_dual_view, tree_visibility)
+                       diff_reference_parameters, draft_adapter_rank, draft_adapters_restored_on_error,
+                       install_dual_view, set_draft_adapter, tree_visibility)
 from .errors import LosslessError
 from .names import EXACT, check_attn
 
@@ -107,6 +108,16 @@ class OrthrusLM(nn.Module):
     def backbone_parameters(self) -> dict[str, nn.Parameter]:
         return backbone_parameters(self.backbone)
 
+    def set_draft_adapter(self, rank: int) -> None:
+        """Give the draft view fresh MLP adapters of `rank` (drafts unchanged until trained), or none (0)."""
+        set_draft_adapter(self.backbone, rank)
+        self.head_info.draft_adapter = rank
+
+    @property
+    def draft_adapter(self) -> int:
+        """The rank of the draft view's MLP adapters (0: none)."""
+        return draft_adapter_rank(self.backbone)
+
     def save_head(self, path: str | Path, training: dict | None = None, encoding: str = "full") -> Path:
         """Write the current head. encoding "delta_int8" stores int8 deltas over the AR weights."""
         if encoding not in headfile.ENCODINGS:
@@ -132,19 +143,22 @@ class OrthrusLM(nn.Module):
                 f"train one for {self.name} or pass the matching --model"
             )
         digest = headfile.head_digest(tensors, info)
-        if info.encoding == "delta_int8":
-            tensors = headfile.decode_delta_int8(tensors, diff_reference_parameters(self.backbone))
-        elif info.encoding != "full":
+        if info.encoding not in headfile.ENCODINGS:
             raise LosslessError(f"head {source} uses unknown encoding '{info.encoding}'")
-        params = self.head_parameters()
-        missing = sorted(set(params) - set(tensors))
-        unexpected = sorted(set(tensors) - set(params))
-        if missing or unexpected:
-            raise LosslessError(f"corrupt head {source}: missing {missing[:3]} unexpected {unexpected[:3]}")
-        for name, p in params.items():  # check everything before touching the model
-            if tensors[name].shape != p.shape:
-                raise LosslessError(f"corrupt head {source}: {name} has shape {tuple(tensors[name].shape)}, "
-                                    f"expected {tuple(p.shape)}")
+        with draft_adapters_restored_on_error(self.backbone):  # a refused head leaves the model's own head
+            if info.draft_adapter != self.draft_adapter:
+                set_draft_adapter(self.backbone, info.draft_adapter)
+            if info.encoding == "delta_int8":
+                tensors = headfile.decode_delta_int8(tensors, diff_reference_parameters(self.backbone))
+            params = self.head_parameters()
+            missing = sorted(set(params) - set(tensors))
+            unexpected = sorted(set(tensors) - set(params))
+            if missing or unexpected:
+                raise LosslessError(f"corrupt head {source}: missing {missing[:3]} unexpected {unexpected[:3]}")
+            for name, p in params.items():  # check everything before touching the model's weights
+                if tensors[name].shape != p.shape:
+                    raise LosslessError(f"corrupt head {source}: {name} has shape {tuple(tensors[name].shape)}, "
+                                        f"expected {tuple(p.shape)}")
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(tensors[name].to(p.dtype))

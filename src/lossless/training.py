@@ -84,6 +84,7 @@ class TrainConfig:
     log: str = ""  # JSONL training log, rewritten at every save
     publish: str = ""  # head directory written whenever held-out tokens per cycle improves
     init_head: str = ""  # start from this head's weights at its training step (fresh optimiser), e.g. an arm
+    draft_adapter: int = 0  # rank of draft-only MLP adapters to train with the head (0: none)
 
 
 def position_weights(k: int, decay: float = 1.0, weights: list[float] | tuple = ()) -> torch.Tensor:
@@ -291,11 +292,13 @@ def continue_from_published(model: OrthrusLM, cfg: TrainConfig) -> tuple[int, li
 def published_tokens_per_step(model: OrthrusLM, cfg: TrainConfig, heldout: list[list[int]]) -> float:
     """Held-out tokens per cycle of the head in `cfg.publish`; the model's own head is restored after."""
     own = {n: p.detach().clone() for n, p in model.head_parameters().items()}
-    identity = model.k, model.head_info, model.head_digest
+    identity, rank = (model.k, model.head_info, model.head_digest), model.draft_adapter
     try:
         model.load_head(cfg.publish)
         return heldout_tokens_per_step(model, heldout, cfg.eval_tokens, cfg.k)
     finally:
+        if model.draft_adapter != rank:
+            model.set_draft_adapter(rank)
         with torch.no_grad():
             for n, p in model.head_parameters().items():
                 p.copy_(own[n])
@@ -331,6 +334,10 @@ def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list
     ckpt_path = out / CHECKPOINT
     if resume and ckpt_path.exists():
         state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        if set(state["head"]) != set(head):
+            trained = state["config"].get("draft_adapter", 0)
+            raise LosslessError(f"--resume: the run in {out} trains a head with draft adapters of rank {trained}; "
+                                f"resume it with --draft-adapter {trained}")
         with torch.no_grad():
             for name, p in model.head_parameters().items():
                 p.copy_(state["head"][name])
