@@ -146,3 +146,20 @@ def test_cli_refuses_a_negative_rank(capsys):
     assert main(["train", "--model", "smollm2-135m", "--out", "unused", "--draft-adapter", "-1"]) == 2
     err = capsys.readouterr().err
     assert "--draft-adapter" in err and "Traceback" not in err
+
+
+def test_the_adapter_has_its_own_learning_rate(tmp_path):
+    """--adapter-lr-mult 0 freezes the adapters while the rest of the head trains; a larger multiplier moves
+    them further than the run's own rate."""
+    moved = {}
+    for mult in (0.0, 1.0, 10.0):
+        model = tiny_orthrus("llama", k=4)
+        model.set_draft_adapter(RANK)
+        before = {n: p.detach().clone() for n, p in model.head_parameters().items()}
+        cfg = TrainConfig(out=str(tmp_path / f"m{mult}"), k=4, steps=3, lr=1e-3, warmup=1, seqs_per_step=2, anchors=4,
+                          save_every=0, eval_every=0, autocast="off", draft_adapter=RANK, adapter_lr_mult=mult)
+        train(model, synthetic_records(), cfg, progress=False)
+        after = model.head_parameters()
+        moved[mult] = sum(float((after[n] - before[n]).abs().sum()) for n in before if ".mlp_diff." in n)
+        assert any(not torch.equal(before[n], after[n]) for n in before if ".mlp_diff." not in n)
+    assert moved[0.0] == 0.0 and 0 < moved[1.0] < moved[10.0]

@@ -127,7 +127,7 @@ def cmd_train(args) -> int:
         max_new_tokens=args.max_new_tokens, distill_batch=args.distill_batch, autocast=args.autocast,
         position_decay=args.position_decay, mask_lr_mult=args.mask_lr_mult, log=args.log or "",
         publish=args.publish or "", position_weights=_floats(args.position_weights, "--position-weights"),
-        init_head=args.init_head or "", draft_adapter=args.draft_adapter)
+        init_head=args.init_head or "", draft_adapter=args.draft_adapter, adapter_lr_mult=args.adapter_lr_mult)
     if cfg.k < 2:
         raise LosslessError("--k must be >= 2 to train a drafter")
     if cfg.draft_adapter < 0:
@@ -388,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--draft-adapter", type=int, default=0, metavar="RANK",
                    help="train draft-only MLP adapters of this rank with the head (more capacity for the draft view; "
                         "the AR view is untouched); 0: none")
+    t.add_argument("--adapter-lr-mult", type=float, default=1.0, help="the draft adapters' learning rate / --lr")
     t.add_argument("--log", default=None, help="JSONL training log, rewritten at every checkpoint (e.g. under results/)")
     t.add_argument("--publish", default=None,
                    help="head directory written whenever held-out tokens per cycle beats every earlier evaluation")

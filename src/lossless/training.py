@@ -85,6 +85,7 @@ class TrainConfig:
     publish: str = ""  # head directory written whenever held-out tokens per cycle improves
     init_head: str = ""  # start from this head's weights at its training step (fresh optimiser), e.g. an arm
     draft_adapter: int = 0  # rank of draft-only MLP adapters to train with the head (0: none)
+    adapter_lr_mult: float = 1.0  # the draft adapters' learning rate, as a multiple of lr
 
 
 def position_weights(k: int, decay: float = 1.0, weights: list[float] | tuple = ()) -> torch.Tensor:
@@ -324,9 +325,13 @@ def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list
     for p in model.backbone_parameters().values():
         p.requires_grad_(False)
     mask_params = [head["mask_embedding"]] if "mask_embedding" in head else []
-    groups = [{"params": [p for n, p in head.items() if n != "mask_embedding"], "lr": cfg.lr}]
+    adapter_params = [p for n, p in head.items() if ".mlp_diff." in n]
+    groups = [{"params": [p for n, p in head.items() if n != "mask_embedding" and ".mlp_diff." not in n],
+               "lr": cfg.lr}]
     if mask_params:
         groups.append({"params": mask_params, "lr": cfg.lr * cfg.mask_lr_mult})
+    if adapter_params:
+        groups.append({"params": adapter_params, "lr": cfg.lr * cfg.adapter_lr_mult})
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     history: list[dict] = []
