@@ -13,7 +13,7 @@ from conftest import NO_EOS, PROMPTS, ar_reference, perturb_head, tiny_backbone,
 from lossless import decoding
 from lossless.decoding import DecodeConfig, decode, model_drafter
 from lossless.model import OrthrusLM
-from lossless.sampling import SamplingConfig, sample
+from lossless.sampling import SamplingConfig, argmax, sample
 
 N_NEW = 40
 
@@ -104,6 +104,20 @@ def test_always_wrong_drafter_matches_ar_and_accepts_nothing(models, family, K):
         assert state.generated == ref
         assert state.stats.accepted == [0] * (N_NEW - 1)
         assert state.stats.steps == N_NEW - 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_choice_is_torch_argmax_including_ties(dtype):
+    """The decode loop's greedy choice takes the first maximal index, as torch.argmax (and HF greedy) do, on
+    rows full of exact ties (few distinct values), all-equal rows, NaN rows and non-contiguous views."""
+    gen = torch.Generator().manual_seed(0)
+    for vocab, rows in [(2, 1), (49152, 8), (50000, 3), (1000, 17)]:
+        x = torch.randint(0, 4, (rows, vocab), generator=gen).to(dtype)
+        x[0] = 1  # every index ties
+        if rows > 2:
+            x[2, vocab // 2] = float("nan")
+        for logits in (x, x.t().contiguous().t(), x[0]):
+            assert torch.equal(argmax(logits), logits.argmax(dim=-1))
 
 
 def test_ar_greedy_equals_hugging_face_generate(models, family):
