@@ -55,6 +55,35 @@ def test_one_step_lowers_the_loss_and_only_the_head_gets_gradients():
         assert torch.equal(p, before[n]), n
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_draft_attention_with_grouped_query_attention_in_the_kernel_equals_the_stock_path(family, monkeypatch):
+    """The draft view's own SDPA call (grouped-query attention inside the kernel) gives the loss, the head's
+    gradients and the draft logits that Hugging Face's SDPA path (keys/values copied per query head) gives."""
+    from lossless import dualview
+
+    model = tiny_orthrus(family, k=4)
+    perturb_head(model)
+    rec = synthetic_records(1)[0]
+    ids, n_prompt = rec["prompt_ids"] + rec["response_ids"], len(rec["prompt_ids"])
+    anchors = choose_anchors(step_rng(0, 0), n_prompt, len(ids), 6)
+    cache, _ = model.prefill(ids[:12])
+    results = []
+    for kernels in (dualview.GQA_IN_KERNEL, ()):
+        monkeypatch.setattr(dualview, "GQA_IN_KERNEL", kernels)
+        loss, _, _ = DistillLoss(model, 4)(ids, n_prompt, anchors)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.head_parameters().items() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            results.append((loss.detach(), grads, model.draft(cache, ids[12], 4)))
+    (loss_a, grads_a, draft_a), (loss_b, grads_b, draft_b) = results
+    assert grads_a and grads_a.keys() == grads_b.keys()
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(draft_a, draft_b, rtol=1e-5, atol=1e-5)
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6)
+
+
 def test_untrained_head_kl_is_not_zero_but_ce_option_runs():
     model = tiny_orthrus("llama", k=4)
     rec = synthetic_records(1)[0]
