@@ -1,7 +1,9 @@
 """Decoding speed, side by side in one process: HF `generate` greedy, our `ar`, HF prompt-lookup
 decoding, and `orthrus` with the model's head (the shipped one by default), in the two-pass cycle and
 the fused one (`orthrus_fused`; `--fused 4:2,3:3` adds more block-size:group settings side by side), and
-the two-pass cycle verifying a candidate tree (`orthrus_tree`; `--tree 8,16,24` sets its node budgets).
+the two-pass cycle verifying a candidate tree (`orthrus_tree`; `--tree 8,16,24` sets its node budgets), and
+both with a prompt-lookup branch verified beside the drafts (`orthrus_lookup`, `orthrus_tree_lookup` with the
+first tree budget; `--lookup N` tokens).
 
 Methods run alternately on each prompt, for several repeats; the table reports medians over prompts
 of per-prompt medians over repeats. Tokens per step = tokens committed per decode cycle after the
@@ -9,6 +11,7 @@ prefill (1.0 for plain AR); tokens per forward counts every model forward, prefi
 The last stdout line is one JSON object.
 
     python benchmarks/speed.py --model smollm2-135m --dtype bf16 --limit 8 --max-new-tokens 128
+    python benchmarks/speed.py --suite suites/default.jsonl --per-domain 2 --methods hf_generate,orthrus_tree_lookup
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ import lossless
 from lossless import paths
 from lossless.distill import read_prompts
 from lossless.errors import LosslessError
+from lossless.jsonio import read_jsonl
 from lossless.names import positive_int
 from lossless.text import encode_prompt
 
-METHODS = ("hf_generate", "ar", "prompt_lookup", "orthrus", "orthrus_tree", "orthrus_fused")
+METHODS = ("hf_generate", "ar", "prompt_lookup", "orthrus", "orthrus_lookup", "orthrus_tree", "orthrus_tree_lookup",
+           "orthrus_fused")
 FUSED_DEFAULT = "3"  # block size k[:draft groups per forward]; "3" = the library's default (k=3, every group)
 
 
@@ -57,8 +62,8 @@ def run_hf(model, ids, max_new_tokens, eos, counter, prompt_lookup=False):
     return {"tokens": new, "seconds": seconds, "forwards": forwards, "steps": max(forwards - 1, 1), "accepted": []}
 
 
-def run_ours(model, ids, max_new_tokens, mode, k, cycle="two-pass", groups=None, tree=0):
-    cfg = lossless.DecodeConfig(max_new_tokens=max_new_tokens, k=k, cycle=cycle, groups=groups, tree=tree)
+def run_ours(model, ids, max_new_tokens, mode, k, cycle="two-pass", groups=None, tree=0, lookup=0):
+    cfg = lossless.DecodeConfig(max_new_tokens=max_new_tokens, k=k, cycle=cycle, groups=groups, tree=tree, lookup=lookup)
     state = lossless.decode(model, ids, mode, cfg)
     s = state.stats
     return {"tokens": state.generated, "seconds": s.seconds, "forwards": s.forwards, "steps": max(s.steps, 1),
@@ -84,6 +89,8 @@ def main(argv=None) -> int:
                          "orthrus under it, alternating with the rest, and reports its overhead")
     ap.add_argument("--suite", default=str(paths.HELDOUT_PROMPTS), help="JSONL of {\"prompt\": ...} lines")
     ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--per-domain", type=int, default=0,
+                    help="take the first N prompts of each domain of --suite (e.g. suites/default.jsonl) instead of --limit")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k", type=int, default=None)
@@ -94,6 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tree", default="16",
                     help="orthrus_tree node budgets, comma-separated; the first is `orthrus_tree`, the others run side "
                          "by side as `orthrus_tree[N]`")
+    ap.add_argument("--lookup", type=int, default=7, help="tokens of the lookup branch (orthrus_lookup, orthrus_tree_lookup)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     args = ap.parse_args(argv)
     try:
@@ -107,12 +115,20 @@ def main(argv=None) -> int:
         if "orthrus_fused" in methods and not fused:
             raise LosslessError("--fused needs at least one k:groups setting")
         trees = [positive_int(t, f"--tree '{t}': expected node budgets >= 1, e.g. 8,16") for t in args.tree.split(",") if t]
-        if "orthrus_tree" in methods and not trees:
+        if {"orthrus_tree", "orthrus_tree_lookup"} & set(methods) and not trees:
             raise LosslessError("--tree needs at least one node budget")
         kernels = [a for a in args.attn.split(",") if a]
         model = lossless.load_model(args.model, args.dtype, attn=kernels[0], head=args.head)
         extra = {a: lossless.load_model(args.model, args.dtype, attn=a, head=args.head) for a in kernels[1:]}
-        prompts = read_prompts(args.suite)[: args.limit]
+        prompts = read_prompts(args.suite)
+        if args.per_domain:
+            domains = [row.get("domain") for row in read_jsonl(args.suite, what="prompt file")]
+            if None in domains:
+                raise LosslessError(f"--per-domain: {args.suite} has lines without a \"domain\" field")
+            taken: Counter = Counter()
+            prompts = [p for p, d in zip(prompts, domains) if taken.update([d]) or taken[d] <= args.per_domain]
+        else:
+            prompts = prompts[: args.limit]
         if not prompts:
             raise LosslessError(f"{args.suite}: no prompts")
     except LosslessError as exc:
@@ -152,6 +168,10 @@ def main(argv=None) -> int:
                     r = run_hf(runner, ids, args.max_new_tokens, eos, counter, prompt_lookup=True)
                 elif kind == "orthrus_tree":
                     r = run_ours(runner, ids, args.max_new_tokens, "orthrus", args.k, tree=setting)
+                elif kind == "orthrus_lookup":
+                    r = run_ours(runner, ids, args.max_new_tokens, "orthrus", args.k, lookup=args.lookup)
+                elif kind == "orthrus_tree_lookup":
+                    r = run_ours(runner, ids, args.max_new_tokens, "orthrus", args.k, tree=trees[0], lookup=args.lookup)
                 elif kind == "orthrus_fused":
                     r = run_ours(runner, ids, args.max_new_tokens, "orthrus", setting[0], "fused", setting[1])
                 else:

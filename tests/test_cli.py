@@ -135,6 +135,10 @@ BAD_INPUTS_BEFORE_LOADING = {
                             "two-pass"),
     "generate tree exact": (lambda d, t: _gen("--model", d["model"], "--tree", "8", "--attn", "exact", PROMPT),
                             "exact"),
+    "generate lookup fused": (lambda d, t: _gen("--model", d["model"], "--lookup", "--cycle", "fused", PROMPT),
+                              "two-pass"),
+    "generate lookup sampling": (lambda d, t: _gen("--model", d["model"], "--lookup", "8", "--temperature", "0.7",
+                                                   PROMPT), "greedy"),
     "generate groups zero": (lambda d, t: _gen("--model", d["model"], "--cycle", "fused", "--groups", "0", PROMPT),
                              "--groups"),
     "audit groups zero": (lambda d, t: ["audit", "--model", d["model"], "--cycle", "fused", "--groups", "0",
@@ -246,6 +250,12 @@ def test_generate_with_the_fused_cycle_equals_ar(dirs, capsys):
     with pytest.raises(SystemExit) as exc:  # argparse's choices
         main(["generate", "--model", dirs["model"], "--cycle", "triple", PROMPT])
     assert exc.value.code == 2 and "--cycle" in capsys.readouterr().err
+
+
+def test_generate_with_tree_and_lookup_equals_ar(dirs, capsys):
+    ar = _generate_json(capsys, "--model", dirs["model"], "--mode", "ar", "--max-new-tokens", "24", PROMPT)
+    both = _generate_json(capsys, "--model", dirs["model"], "--tree", "--lookup", "--max-new-tokens", "24", PROMPT)
+    assert both["token_ids"] == ar["token_ids"]
 
 
 def test_generate_json_with_sampling_is_reproducible(dirs, capsys):

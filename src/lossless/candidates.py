@@ -7,6 +7,9 @@ one greedy trajectory, a `CandidateRun`. Built in:
 - `orthrus-fused`: the fused cycle (one forward verifies a block and drafts the next);
 - `orthrus-tree`: the two-pass cycle verifying a tree of DEFAULT_TREE draft candidates (the top drafts and
   their runners-up) in one forward (stock kernels only);
+- `orthrus-lookup`: the two-pass cycle with prompt lookup beside the drafts (DEFAULT_LOOKUP tokens copied
+  from earlier context; a match of two or more tokens is verified alone, without a draft pass; stock
+  kernels only);
 - `oracle`: our decode loop with the reference trajectory itself as the drafter, so every draft is right
   and any divergence comes from verifying several tokens in one forward (runs under every kernel, exact
   mode included);
@@ -41,7 +44,7 @@ import torch
 
 from .decoding import DecodeConfig, block_size, decode
 from .errors import LosslessError
-from .names import DEFAULT_TREE, EXACT
+from .names import DEFAULT_LOOKUP, DEFAULT_TREE, EXACT
 
 PROMPT_LOOKUP_TOKENS = 10  # draft length of prompt lookup (the Hugging Face documentation's suggestion)
 DEFAULT = "orthrus"
@@ -91,6 +94,11 @@ def run_orthrus_fused(model, ids, cfg, reference):
 
 def run_orthrus_tree(model, ids, cfg, reference):
     cfg = dataclasses.replace(cfg, cycle="two-pass", tree=cfg.tree or DEFAULT_TREE)
+    return _from_state(decode(model, ids, "orthrus", cfg), "two-pass", block_size(model.k, cfg))
+
+
+def run_orthrus_lookup(model, ids, cfg, reference):
+    cfg = dataclasses.replace(cfg, cycle="two-pass", lookup=cfg.lookup or DEFAULT_LOOKUP)
     return _from_state(decode(model, ids, "orthrus", cfg), "two-pass", block_size(model.k, cfg))
 
 
@@ -157,6 +165,7 @@ BUILTIN = {
     "orthrus": Candidate("orthrus", run_orthrus),
     "orthrus-fused": Candidate("orthrus-fused", run_orthrus_fused),
     "orthrus-tree": Candidate("orthrus-tree", run_orthrus_tree, stock_only=True),
+    "orthrus-lookup": Candidate("orthrus-lookup", run_orthrus_lookup, stock_only=True),
     "oracle": Candidate("oracle", run_oracle),
     "prompt-lookup": Candidate("prompt-lookup", run_prompt_lookup, hf_generate=True),
     "self-assisted": Candidate("self-assisted", run_self_assisted, hf_generate=True),

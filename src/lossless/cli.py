@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .errors import LosslessError
-from .names import ATTN_KERNELS, CYCLES, DEFAULT_TREE, DTYPE_NAMES, MODES, check_cycle, check_tree
+from .names import ATTN_KERNELS, CYCLES, DEFAULT_LOOKUP, DEFAULT_TREE, DTYPE_NAMES, MODES, check_cycle, check_tree
 
 
 def _add_model_args(p: argparse.ArgumentParser, dtype: str = "fp32", *, head: bool = True, attn: bool = True,
@@ -67,13 +67,13 @@ def cmd_generate(args) -> int:
     _check_cycle_args(args)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.mode == "orthrus":
-        check_tree(args.tree, args.cycle, sampling.greedy, args.attn)
+        check_tree(args.tree, args.cycle, sampling.greedy, args.attn, args.lookup)
     model = load_model(args.model, args.dtype, args.device, args.attn, head=args.head)
     stream = (lambda s: (sys.stdout.write(s), sys.stdout.flush())) if not args.json else None
     out = model.generate(args.prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, k=args.k,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                          chat_template=not args.no_chat_template, cycle=args.cycle, groups=args.groups, tree=args.tree,
-                         on_text=stream)
+                         lookup=args.lookup, on_text=stream)
     if args.json:
         print(json.dumps(out.to_dict(), ensure_ascii=False))
     else:
@@ -335,6 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tree", type=int, nargs="?", const=DEFAULT_TREE, default=0, metavar="NODES",
                    help=f"two-pass, greedy: verify a tree of NODES draft candidates (the top drafts and their runners-up; "
                         f"{DEFAULT_TREE} without a number) instead of one chain")
+    g.add_argument("--lookup", type=int, nargs="?", const=DEFAULT_LOOKUP, default=0, metavar="TOKENS",
+                   help=f"two-pass, greedy: prompt lookup beside the drafts: copy up to TOKENS tokens that followed the "
+                        f"context's last tokens where they occurred before ({DEFAULT_LOOKUP} without a number) and verify "
+                        f"them too; a match of 2+ tokens is verified alone, without a draft pass")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = no filter)")
     g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set with this mass (1 = no filter)")
@@ -416,7 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--k", type=int, default=None, help="block size (default: the head's k; --cycle fused: at most 3)")
     _add_cycle_args(a)
     a.add_argument("--candidates", default="orthrus",
-                   help="comma-separated decoders compared with AR: orthrus, orthrus-fused, oracle (the reference "
+                   help="comma-separated decoders compared with AR: orthrus, orthrus-fused, orthrus-tree, orthrus-lookup "
+                        "(prompt lookup beside the drafts), oracle (the reference "
                         "as drafter), prompt-lookup, self-assisted, hf-greedy, or module:function (a callable "
                         "(model, prompt_ids, max_new_tokens) -> token ids); --cycle fused turns orthrus into "
                         "orthrus-fused")

@@ -111,6 +111,36 @@ def build_tree(budget: int, scores) -> tuple[tuple[int, ...], ...]:
     return tuple(sorted(chosen, key=lambda p: (len(p), p)))
 
 
+# Prompt lookup: the drafter that costs nothing. Summaries, translations, edits, code and verse copy spans of
+# their prompt or of themselves, and a copy whose context matched is often right for many tokens. Offline,
+# on the bf16 reference trajectories of the 1,190-prompt suite: a 3-token match's first copied token is
+# right 83% of the time (2-token: 53%, 1-token: 24%).
+LOOKUP_NGRAMS = (3, 2, 1)  # context suffix lengths the lookup tries, longest first
+LOOKUP_ALONE = 2  # a match this long (or longer) is verified alone, in one forward without a draft pass
+LOOKUP_BESIDE = 4  # a shorter match adds at most this many tokens beside the drafts
+
+
+def lookup_proposal(tokens: list[int], n: int) -> tuple[list[int], int]:
+    """`n` tokens that followed the most recent earlier occurrence of the context's last 3 (else 2, else 1)
+    tokens, and the length of the match (0: none, and no tokens). The copy may run on into itself, so a
+    context that repeats a short span proposes further repeats of it."""
+    if n <= 0:
+        return [], 0
+    for size in LOOKUP_NGRAMS:
+        if len(tokens) <= size:
+            continue
+        suffix, last = tokens[-size:], len(tokens) - size
+        first = suffix[0]
+        for start in range(last - 1, -1, -1):
+            if tokens[start] == first and tokens[start: start + size] == suffix:
+                copy = tokens[start + size: start + size + n]
+                period = len(tokens) - start - size  # where the copy reaches the context's end, it copies itself
+                while len(copy) < n:
+                    copy.append(copy[len(copy) - period])
+                return copy, size
+    return [], 0
+
+
 @dataclass
 class DecodeConfig:
     max_new_tokens: int = 128
@@ -121,6 +151,7 @@ class DecodeConfig:
     cycle: str = "two-pass"  # how orthrus spends forwards: "two-pass" (draft, then verify) or "fused"
     groups: int | None = None  # fused: draft groups per forward, for acceptance counts 0..groups-1 (None = all)
     tree: int = 0  # two-pass, greedy: verify a tree of this many draft candidates (0 = the chain of top drafts)
+    lookup: int = 0  # two-pass, greedy: verify up to this many tokens copied from earlier context (0 = none)
 
 
 @dataclass
@@ -236,7 +267,7 @@ def validate(model: DecodingModel, prompt_ids: list[int], cfg: DecodeConfig, mod
     check_cycle(cfg.cycle)
     if cfg.groups is not None and cfg.groups < 1:
         raise LosslessError(f"--groups must be >= 1, got {cfg.groups}")
-    check_tree(cfg.tree, cfg.cycle, cfg.sampling.greedy, getattr(model, "attn", None))
+    check_tree(cfg.tree, cfg.cycle, cfg.sampling.greedy, getattr(model, "attn", None), cfg.lookup)
     k = block_size(model.k, cfg)
     if not 1 <= k <= model.k:
         raise LosslessError(f"--k must be between 1 and the head's k ({model.k}), got {k}")
@@ -339,25 +370,41 @@ def orthrus_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k
     return commit(state, [*drafts[:n_accepted], bonus_token], cfg, logits[: n_accepted + 1])
 
 
-def tree_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, generator) -> list[int]:
+def tree_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, generator,
+               branch: list[int] = ()) -> list[int]:
     """One two-pass cycle that verifies a tree of draft candidates (greedy): draft -> choose this cycle's
-    tree -> verify it in one forward -> follow the AR argmax down the tree -> keep the cache rows of the
-    accepted path -> commit."""
+    tree (cfg.tree nodes, or the chain of top drafts) and add `branch` (tokens after the last committed one,
+    e.g. a lookup's) -> verify it in one forward -> follow the AR argmax down the tree -> keep the cache rows
+    of the accepted path -> commit."""
     depth = min(k - 1, cfg.max_new_tokens - len(state.generated) - 1)  # never draft past max_new_tokens
     if depth < 1:
         return orthrus_cycle(model, state, cfg, 1, generator)
-    # 1. draft, and the cfg.tree most probable paths through each position's top candidates
+    # 1. draft, and the cfg.tree most probable paths through each position's top candidates (or the chain of
+    #    top drafts when cfg.tree is 0)
     logits = model.draft(state.cache, state.tokens[-1], k)[:depth]  # [depth, V]
     state.stats.forwards += 1
-    top = torch.topk(torch.softmax(logits.float(), dim=-1), min(TREE_WIDTH, logits.shape[-1]), dim=-1)
-    paths = build_tree(cfg.tree, top.values.tolist())
-    ranks = top.indices.tolist()  # [depth, width]
+    if cfg.tree:
+        top = torch.topk(torch.softmax(logits.float(), dim=-1), min(TREE_WIDTH, logits.shape[-1]), dim=-1)
+        paths = build_tree(cfg.tree, top.values.tolist())
+        ranks = top.indices.tolist()  # [depth, width]
+    else:
+        paths = tuple((0,) * j for j in range(1, depth + 1))
+        ranks = [[t] for t in argmax(logits).tolist()]
     row_of = {p: i + 1 for i, p in enumerate(paths)}  # row 0 is the root (the last committed token)
     tokens = [ranks[len(p) - 1][p[-1]] for p in paths]
     parents = [0] + [row_of.get(p[:-1], 0) for p in paths]
     children: dict[int, dict[int, int]] = {}
     for row, (parent, tok) in enumerate(zip(parents[1:], tokens), start=1):
         children.setdefault(parent, {})[tok] = row
+    # the branch shares the drafts' nodes where it agrees with them
+    node = 0
+    for tok in branch[: cfg.max_new_tokens - len(state.generated) - 1]:
+        if (row := children.get(node, {}).get(tok)) is None:
+            tokens.append(tok)
+            parents.append(node)
+            row = len(tokens)
+            children.setdefault(node, {})[tok] = row
+        node = row
     # 2. verify: every node in one forward, each seeing the cache and its ancestors
     start = len(state.tokens) - 1  # the cache length: where the root goes
     verify = model.verify_tree(state.cache, [state.tokens[-1], *tokens], parents)  # [1 + len(paths), V]
@@ -371,6 +418,16 @@ def tree_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: i
     # 4. commit: the accepted path's cache rows move into place, then the path and the AR token are committed
     model.keep_cache_rows(state.cache, start, path_rows)
     return commit(state, [tokens[r - 1] for r in path_rows[1:]] + [targets[path_rows[-1]]], cfg, verify[path_rows])
+
+
+def lookup_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, generator) -> list[int]:
+    """One greedy two-pass cycle with prompt lookup: if the context's last LOOKUP_ALONE or more tokens occurred
+    earlier, verify what followed them (up to cfg.lookup tokens) in one forward, with no draft pass; otherwise
+    a draft cycle (the chain, or cfg.tree's tree) whose tree also holds up to LOOKUP_BESIDE looked-up tokens."""
+    proposal, matched = lookup_proposal(state.tokens, min(cfg.lookup, cfg.max_new_tokens - len(state.generated) - 1))
+    if matched >= LOOKUP_ALONE:
+        return orthrus_cycle(model, state, cfg, len(proposal) + 1, generator, drafter=lambda *_: (proposal, None))
+    return tree_cycle(model, state, cfg, k, generator, proposal[:LOOKUP_BESIDE])
 
 
 def fused_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, generator,
@@ -418,8 +475,8 @@ def decode(model: DecodingModel, prompt_ids: list[int], mode: str = "orthrus", c
     if not cfg.eos_ids:
         cfg = dataclasses.replace(cfg, eos_ids=tuple(model.eos_token_ids()))
     k = validate(model, prompt_ids, cfg, mode)
-    if cfg.tree and drafter is not model_drafter:
-        raise LosslessError("a candidate tree drafts with the model's own head; drop the tree or the drafter")
+    if (cfg.tree or cfg.lookup) and drafter is not model_drafter:
+        raise LosslessError("a candidate tree drafts with the model's own head; drop the tree/lookup or the drafter")
     generator = cfg.sampling.generator(model.device)
     start = time.perf_counter()
     state = prefill(model, prompt_ids, cfg, generator)
@@ -435,6 +492,8 @@ def decode(model: DecodingModel, prompt_ids: list[int], mode: str = "orthrus", c
             new = ar_cycle(model, state, cfg, generator)
         elif cfg.cycle == "fused":
             new = fused_cycle(model, state, cfg, k, generator, None if drafter is model_drafter else drafter)
+        elif cfg.lookup:
+            new = lookup_cycle(model, state, cfg, k, generator)
         elif cfg.tree:
             new = tree_cycle(model, state, cfg, k, generator)
         else:

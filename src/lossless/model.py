@@ -342,10 +342,11 @@ class OrthrusLM(nn.Module):
     def generate(self, prompt: str | list[int], mode: str = "orthrus", *, max_new_tokens: int = 128,
                  k: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  chat_template: bool = True, cycle: str = "two-pass", groups: int | None = None, tree: int = 0,
-                 on_text=None, on_tokens=None) -> GenerationOutput:
+                 lookup: int = 0, on_text=None, on_tokens=None) -> GenerationOutput:
         """Decode `prompt` (text, or token ids used as-is) with `mode` ("ar" | "orthrus"); orthrus runs the
         `cycle` "two-pass" (draft, then verify) or "fused" (one forward per cycle, `groups` draft groups);
-        `tree` > 0 (two-pass, greedy) verifies a tree of that many draft candidates instead of one chain.
+        `tree` > 0 (two-pass, greedy) verifies a tree of that many draft candidates instead of one chain;
+        `lookup` > 0 (two-pass, greedy) adds prompt lookup: up to that many tokens copied from earlier context.
 
         on_text(str) receives text as tokens are committed; on_tokens(list[int]) the committed ids.
         Returns a GenerationOutput(text, token_ids, stats, prompt_ids, finish_reason).
@@ -355,7 +356,7 @@ class OrthrusLM(nn.Module):
 
         prompt_ids = list(prompt) if isinstance(prompt, (list, tuple)) else encode_prompt(self.tokenizer, prompt,
                                                                                           chat_template)
-        cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=k, cycle=cycle, groups=groups, tree=tree,
+        cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=k, cycle=cycle, groups=groups, tree=tree, lookup=lookup,
                            sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
         stream = StreamDecoder(self.tokenizer) if (on_text and self.tokenizer is not None) else None
 

@@ -31,20 +31,24 @@ def check_cycle(cycle: str) -> str:
 # nodes of the candidate tree that `--tree` without a number and the `orthrus-tree` candidate use: the fastest
 # of 4, 6, 8, 12, 16 and 24 nodes with the step-1500 head (results/speed_bf16_tree_step1500.txt)
 DEFAULT_TREE = 8
+# tokens of the lookup branch that `--lookup` without a number and the `orthrus-lookup` candidate use
+DEFAULT_LOOKUP = 16
 
 
-def check_tree(tree: int, cycle: str, greedy: bool, attn: str | None) -> None:
-    """A candidate tree (`tree` nodes, 0 = none) runs in the two-pass cycle, greedy, on stock kernels."""
-    if not tree:
-        return
-    if tree < 0:
-        raise LosslessError(f"--tree must be >= 0 (0 = no tree), got {tree}")
-    if cycle != "two-pass":
-        raise LosslessError("--tree works with the two-pass cycle; drop --tree or --cycle fused")
-    if not greedy:
-        raise LosslessError("--tree works with greedy decoding; drop --tree or --temperature")
-    if attn == EXACT:
-        raise LosslessError("--tree runs on stock kernels; exact mode verifies chains: drop --tree or --attn exact")
+def check_tree(tree: int, cycle: str, greedy: bool, attn: str | None, lookup: int = 0) -> None:
+    """A candidate tree (`tree` nodes, 0 = none) and the lookup branch (`lookup` tokens, 0 = none) run in the
+    two-pass cycle, greedy, on stock kernels."""
+    for flag, value in (("--tree", tree), ("--lookup", lookup)):
+        if not value:
+            continue
+        if value < 0:
+            raise LosslessError(f"{flag} must be >= 0 (0 = none), got {value}")
+        if cycle != "two-pass":
+            raise LosslessError(f"{flag} works with the two-pass cycle; drop {flag} or --cycle fused")
+        if not greedy:
+            raise LosslessError(f"{flag} works with greedy decoding; drop {flag} or --temperature")
+        if attn == EXACT:
+            raise LosslessError(f"{flag} runs on stock kernels; exact mode verifies chains: drop {flag} or --attn exact")
 
 
 def check_attn(attn: str) -> str:
