@@ -49,6 +49,17 @@ def ar_reference(model: OrthrusLM, prompt: list[int], max_new_tokens: int, eos_i
     return state.generated
 
 
+def plain_and_noisy_models(noise: float = 0.3) -> dict[str, tuple[OrthrusLM, OrthrusLM]]:
+    """Per family, two tiny k=8 models: one with its untrained head and one whose head is perturbed (so its
+    drafts are partly wrong)."""
+    out = {}
+    for fam in ("llama", "qwen3"):
+        plain, noisy = tiny_orthrus(fam, k=8), tiny_orthrus(fam, k=8)
+        perturb_head(noisy, noise)
+        out[fam] = (plain, noisy)
+    return out
+
+
 def perturb_head(model: OrthrusLM, scale: float = 1.0, seed: int = 1234) -> None:
     """Add Gaussian noise (scale x each tensor's std) to every head parameter, so q differs from p."""
     g = torch.Generator().manual_seed(seed)

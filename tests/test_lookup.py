@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import NO_EOS, PROMPTS, ar_reference, perturb_head, tiny_orthrus
+from conftest import NO_EOS, PROMPTS, ar_reference, plain_and_noisy_models
 from lossless import decoding
 from lossless.decoding import DecodeConfig, decode, lookup_proposal
 from lossless.errors import LosslessError
@@ -21,12 +21,7 @@ REPEATING = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5]  # a prompt that invites cop
 
 @pytest.fixture(scope="module")
 def models():
-    out = {}
-    for fam in ("llama", "qwen3"):
-        plain, noisy = tiny_orthrus(fam, k=8), tiny_orthrus(fam, k=8)
-        perturb_head(noisy, 0.3)
-        out[fam] = (plain, noisy)
-    return out
+    return plain_and_noisy_models()
 
 
 def test_lookup_takes_the_most_recent_occurrence_of_the_longest_suffix():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import NO_EOS, PROMPTS, ar_reference, perturb_head, tiny_orthrus
+from conftest import NO_EOS, PROMPTS, ar_reference, plain_and_noisy_models
 from lossless.decoding import DecodeConfig, build_tree, decode
 from lossless.errors import LosslessError
 from lossless.sampling import SamplingConfig
@@ -18,12 +18,7 @@ N_NEW = 40
 
 @pytest.fixture(scope="module")
 def models():
-    out = {}
-    for fam in ("llama", "qwen3"):
-        plain, noisy = tiny_orthrus(fam, k=8), tiny_orthrus(fam, k=8)
-        perturb_head(noisy, 0.3)
-        out[fam] = (plain, noisy)
-    return out
+    return plain_and_noisy_models()
 
 
 def test_the_tree_holds_the_most_probable_paths_parents_first():
