@@ -1,6 +1,8 @@
 """Exact mode: with the "exact" kernels a verify block computes bitwise the logits that one-token-at-a-
 time decoding computes, so Orthrus equals AR token for token in fp32, bf16 and fp16."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -140,6 +142,19 @@ def test_exact_orthrus_equals_exact_ar_with_rejections(family, dtype):
         orth = decode(model, prompt, "orthrus", cfg)
         assert orth.generated == ar.generated
         assert 0 in orth.stats.accepted  # the perturbed head is rejected sometimes: verify does real work
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_exact_orthrus_with_lookup_equals_exact_ar(family, dtype):
+    """Prompt lookup in exact mode: long matches are verified alone (chains of up to 16 copied tokens, wider
+    than a row group), others by the plain draft chain; every token is exact AR's, bitwise."""
+    model = exact_tiny(family, dtype)
+    for prompt in ([1, 5, 9, 3], [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5]):
+        cfg = DecodeConfig(max_new_tokens=40, eos_ids=NO_EOS, k=8)
+        ar = decode(model, prompt, "ar", cfg)
+        looked = decode(model, prompt, "orthrus", dataclasses.replace(cfg, lookup=16))
+        assert looked.generated == ar.generated
+        assert looked.stats.forwards < 1 + 2 * looked.stats.steps  # some cycles verified a lookup alone
 
 
 def assert_mirror_matches(cache):

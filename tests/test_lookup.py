@@ -105,9 +105,10 @@ def test_bad_lookup_requests_are_refused(models, cfg, needle):
         decode(models["llama"][0], PROMPTS[0], "orthrus", cfg)
 
 
-def test_lookup_is_refused_in_exact_mode_and_with_a_given_drafter(models):
+def test_lookup_runs_in_exact_mode_but_a_tree_does_not_and_a_given_drafter_is_refused(models):
+    check_tree(0, "two-pass", True, EXACT, 16)
     with pytest.raises(LosslessError, match="exact"):
-        check_tree(0, "two-pass", True, EXACT, 16)
+        check_tree(8, "two-pass", True, EXACT, 16)
     with pytest.raises(LosslessError, match="drafter"):
         decode(models["llama"][0], PROMPTS[0], "orthrus", DecodeConfig(lookup=8),
                drafter=lambda model, state, k, sampling, generator: ([], None))

@@ -8,8 +8,8 @@ one greedy trajectory, a `CandidateRun`. Built in:
 - `orthrus-tree`: the two-pass cycle verifying a tree of DEFAULT_TREE draft candidates (the top drafts and
   their runners-up) in one forward (stock kernels only);
 - `orthrus-lookup`: the two-pass cycle with prompt lookup beside the drafts (DEFAULT_LOOKUP tokens copied
-  from earlier context; a match of two or more tokens is verified alone, without a draft pass; stock
-  kernels only);
+  from earlier context; a match of two or more tokens is verified alone, without a draft pass; under exact
+  kernels the other cycles draft a plain chain);
 - `oracle`: our decode loop with the reference trajectory itself as the drafter, so every draft is right
   and any divergence comes from verifying several tokens in one forward (runs under every kernel, exact
   mode included);
@@ -165,7 +165,7 @@ BUILTIN = {
     "orthrus": Candidate("orthrus", run_orthrus),
     "orthrus-fused": Candidate("orthrus-fused", run_orthrus_fused),
     "orthrus-tree": Candidate("orthrus-tree", run_orthrus_tree, stock_only=True),
-    "orthrus-lookup": Candidate("orthrus-lookup", run_orthrus_lookup, stock_only=True),
+    "orthrus-lookup": Candidate("orthrus-lookup", run_orthrus_lookup),
     "oracle": Candidate("oracle", run_oracle),
     "prompt-lookup": Candidate("prompt-lookup", run_prompt_lookup, hf_generate=True),
     "self-assisted": Candidate("self-assisted", run_self_assisted, hf_generate=True),

@@ -26,7 +26,7 @@ from typing import Callable, Protocol
 import torch
 
 from .errors import LosslessError
-from .names import check_cycle, check_mode, check_tree
+from .names import EXACT, check_cycle, check_mode, check_tree
 from .sampling import SamplingConfig, argmax, sample
 
 
@@ -423,10 +423,13 @@ def tree_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: i
 def lookup_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, generator) -> list[int]:
     """One greedy two-pass cycle with prompt lookup: if the context's last LOOKUP_ALONE or more tokens occurred
     earlier, verify what followed them (up to cfg.lookup tokens) in one forward, with no draft pass; otherwise
-    a draft cycle (the chain, or cfg.tree's tree) whose tree also holds up to LOOKUP_BESIDE looked-up tokens."""
+    a draft cycle (the chain, or cfg.tree's tree) whose tree also holds up to LOOKUP_BESIDE looked-up tokens.
+    Exact-mode kernels verify chains only: there the draft cycle is the plain chain."""
     proposal, matched = lookup_proposal(state.tokens, min(cfg.lookup, cfg.max_new_tokens - len(state.generated) - 1))
     if matched >= LOOKUP_ALONE:
         return orthrus_cycle(model, state, cfg, len(proposal) + 1, generator, drafter=lambda *_: (proposal, None))
+    if getattr(model, "attn", None) == EXACT:
+        return orthrus_cycle(model, state, cfg, k, generator)
     return tree_cycle(model, state, cfg, k, generator, proposal[:LOOKUP_BESIDE])
 
 

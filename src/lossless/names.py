@@ -36,8 +36,9 @@ DEFAULT_LOOKUP = 16
 
 
 def check_tree(tree: int, cycle: str, greedy: bool, attn: str | None, lookup: int = 0) -> None:
-    """A candidate tree (`tree` nodes, 0 = none) and the lookup branch (`lookup` tokens, 0 = none) run in the
-    two-pass cycle, greedy, on stock kernels."""
+    """A candidate tree (`tree` nodes, 0 = none) and prompt lookup (`lookup` tokens, 0 = none) run in the
+    two-pass cycle, greedy; the tree on stock kernels only (exact mode verifies chains, and so verifies a
+    lookup on its own but never beside a tree)."""
     for flag, value in (("--tree", tree), ("--lookup", lookup)):
         if not value:
             continue
@@ -47,8 +48,8 @@ def check_tree(tree: int, cycle: str, greedy: bool, attn: str | None, lookup: in
             raise LosslessError(f"{flag} works with the two-pass cycle; drop {flag} or --cycle fused")
         if not greedy:
             raise LosslessError(f"{flag} works with greedy decoding; drop {flag} or --temperature")
-        if attn == EXACT:
-            raise LosslessError(f"{flag} runs on stock kernels; exact mode verifies chains: drop {flag} or --attn exact")
+    if tree and attn == EXACT:
+        raise LosslessError("--tree runs on stock kernels; exact mode verifies chains: drop --tree or --attn exact")
 
 
 def check_attn(attn: str) -> str:
