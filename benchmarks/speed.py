@@ -86,7 +86,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--attn", default="sdpa",
                     help="kernel for all methods; a second kernel after a comma (e.g. sdpa,exact) also runs ar and "
-                         "orthrus under it, alternating with the rest, and reports its overhead")
+                         "orthrus (and orthrus_lookup, if asked for) under it, alternating with the rest, and reports "
+                         "its overhead")
     ap.add_argument("--suite", default=str(paths.HELDOUT_PROMPTS), help="JSONL of {\"prompt\": ...} lines")
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--per-domain", type=int, default=0,
@@ -146,8 +147,9 @@ def main(argv=None) -> int:
     if "orthrus_tree" in methods:
         for j, nodes in enumerate(trees):
             variants["orthrus_tree" if j == 0 else f"orthrus_tree[{nodes}]"] = (model, "orthrus_tree", nodes)
+    on_extra = ["ar", "orthrus"] + (["orthrus_lookup"] if "orthrus_lookup" in methods else [])
     for a, extra_model in extra.items():
-        for m in ("ar", "orthrus"):
+        for m in on_extra:
             variants[f"{m}@{a}"] = (extra_model, m, None)
     methods = list(variants)
     per_prompt: dict[str, list[dict]] = {m: [] for m in methods}
@@ -201,7 +203,7 @@ def main(argv=None) -> int:
         if hist[m]:
             summary[m]["acceptance_histogram"] = {str(a): hist[m][a] for a in sorted(hist[m])}
     for a in extra:
-        for m in ("ar", "orthrus"):
+        for m in (m for m in on_extra if m in summary):
             summary[f"{m}@{a}"]["slowdown_vs_" + kernels[0]] = round(
                 summary[m]["tokens_per_second"] / summary[f"{m}@{a}"]["tokens_per_second"], 3)
     print(f"model={args.model} dtype={args.dtype} attn={args.attn} prompts={len(prompts)} "
