@@ -3,7 +3,7 @@ decoding, and `orthrus` with the model's head (the shipped one by default), in t
 the fused one (`orthrus_fused`; `--fused 4:2,3:3` adds more block-size:group settings side by side), and
 the two-pass cycle verifying a candidate tree (`orthrus_tree`; `--tree 8,16,24` sets its node budgets), and
 both with a prompt-lookup branch verified beside the drafts (`orthrus_lookup`, `orthrus_tree_lookup` with the
-first tree budget; `--lookup N` tokens).
+first tree budget, `orthrus_fused_lookup` with the first fused setting; `--lookup N` tokens).
 
 Methods run alternately on each prompt, for several repeats; the table reports medians over prompts
 of per-prompt medians over repeats. Tokens per step = tokens committed per decode cycle after the
@@ -34,7 +34,7 @@ from lossless.names import positive_int
 from lossless.text import encode_prompt
 
 METHODS = ("hf_generate", "ar", "prompt_lookup", "orthrus", "orthrus_lookup", "orthrus_tree", "orthrus_tree_lookup",
-           "orthrus_fused")
+           "orthrus_fused", "orthrus_fused_lookup")
 FUSED_DEFAULT = "3"  # block size k[:draft groups per forward]; "3" = the library's default (k=3, every group)
 
 
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         if bad:
             raise LosslessError(f"unknown method {bad[0]}: choose from {', '.join(METHODS)}")
         fused = [parse_fused(f) for f in args.fused.split(",") if f]
-        if "orthrus_fused" in methods and not fused:
+        if {"orthrus_fused", "orthrus_fused_lookup"} & set(methods) and not fused:
             raise LosslessError("--fused needs at least one k:groups setting")
         trees = [positive_int(t, f"--tree '{t}': expected node budgets >= 1, e.g. 8,16") for t in args.tree.split(",") if t]
         if {"orthrus_tree", "orthrus_tree_lookup"} & set(methods) and not trees:
@@ -174,6 +174,9 @@ def main(argv=None) -> int:
                     r = run_ours(runner, ids, args.max_new_tokens, "orthrus", args.k, lookup=args.lookup)
                 elif kind == "orthrus_tree_lookup":
                     r = run_ours(runner, ids, args.max_new_tokens, "orthrus", args.k, tree=trees[0], lookup=args.lookup)
+                elif kind == "orthrus_fused_lookup":
+                    r = run_ours(runner, ids, args.max_new_tokens, "orthrus", fused[0][0], "fused", fused[0][1],
+                                 lookup=args.lookup)
                 elif kind == "orthrus_fused":
                     r = run_ours(runner, ids, args.max_new_tokens, "orthrus", setting[0], "fused", setting[1])
                 else:

@@ -55,6 +55,20 @@ def test_lookup_greedy_equals_ar_greedy_token_for_token(models, family, tree, n)
     assert alone > 0  # long matches were verified alone
 
 
+@pytest.mark.parametrize("n", [1, 4, 16])
+def test_fused_lookup_equals_ar_greedy_and_verifies_copies_in_its_one_forward(models, family, n):
+    copied = 0
+    for model in models[family]:
+        for prompt in (*PROMPTS, REPEATING):
+            ar = ar_reference(model, prompt, N_NEW)
+            state = decode(model, prompt, "orthrus", DecodeConfig(max_new_tokens=N_NEW, cycle="fused", lookup=n,
+                                                                   eos_ids=NO_EOS))
+            assert state.generated == ar
+            assert state.stats.forwards == 1 + state.stats.steps  # still one forward per cycle
+            copied += max(state.stats.accepted) > 2  # more than the fused block's two drafts: a copy was verified
+    assert (copied > 0) == (n > 2)  # a copy replaces the drafts only when it is longer than they are
+
+
 def test_a_right_lookup_commits_a_long_span_in_one_forward_and_leaves_ar_s_cache(models):
     """The tiny model's greedy output cycles; once a cycle has been generated, every lookup copies the rest
     of it: far more tokens per cycle than the chain of drafts, the output and the cache are AR's."""
@@ -96,7 +110,8 @@ def test_lookup_stops_at_max_new_tokens_and_at_eos_inside_a_span(models, max_new
 
 
 @pytest.mark.parametrize("cfg,needle", [
-    (DecodeConfig(lookup=8, cycle="fused"), "two-pass"),
+    (DecodeConfig(lookup=8, tree=8, cycle="fused"), "two-pass"),
+    (DecodeConfig(lookup=8, cycle="fused", sampling=SamplingConfig(temperature=1.0)), "greedy"),
     (DecodeConfig(lookup=8, sampling=SamplingConfig(temperature=1.0)), "greedy"),
     (DecodeConfig(lookup=-1), "--lookup"),
 ])

@@ -336,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"two-pass, greedy: verify a tree of NODES draft candidates (the top drafts and their runners-up; "
                         f"{DEFAULT_TREE} without a number) instead of one chain")
     g.add_argument("--lookup", type=int, nargs="?", const=DEFAULT_LOOKUP, default=0, metavar="TOKENS",
-                   help=f"two-pass, greedy: prompt lookup beside the drafts: copy up to TOKENS tokens that followed the "
+                   help=f"greedy: prompt lookup beside the drafts: copy up to TOKENS tokens that followed the "
                         f"context's last tokens where they occurred before ({DEFAULT_LOOKUP} without a number) and verify "
                         f"them too; a match of 2+ tokens is verified alone, without a draft pass")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

@@ -436,7 +436,9 @@ def lookup_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k:
 def fused_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, generator,
                 drafter: Drafter | None = None) -> list[int]:
     """One fused cycle: verify [last token, pending drafts] and draft every possible next block in one
-    forward -> accept -> commit -> keep the drafts of the group anchored where acceptance stopped.
+    forward -> accept -> commit -> keep the drafts of the group anchored where acceptance stopped. With
+    cfg.lookup (greedy), a context match of LOOKUP_ALONE or more tokens that copies further than the pending
+    drafts is verified in their place (with groups for the first k acceptance counts).
 
     Group n is anchored at block position n (the last token kept when n drafts are accepted); its mask
     rows draft the tokens after the bonus token. A cycle with no pending drafts (the first one, or after
@@ -444,8 +446,13 @@ def fused_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: 
     remaining = cfg.max_new_tokens - len(state.generated)
     drafts = state.drafts[: remaining - 1]  # never verify past max_new_tokens
     q = state.draft_q[: len(drafts)] if state.draft_q is not None else None
+    group_cap = len(drafts) + 1
+    if cfg.lookup:  # greedy: a long enough context match replaces the pending drafts with its copy
+        copy, matched = lookup_proposal(state.tokens, min(cfg.lookup, remaining - 1))
+        if matched >= LOOKUP_ALONE and len(copy) > len(drafts):
+            drafts, q, group_cap = copy, None, k  # groups where acceptance usually stops, not one per copied token
     block = [state.tokens[-1], *drafts]
-    n_groups = 0 if k == 1 else len(block) if cfg.groups is None else min(len(block), cfg.groups)
+    n_groups = 0 if k == 1 else min(len(block), group_cap, cfg.groups or len(block))
     # 1. verify + draft: one forward; the verify rows are exactly a verify pass, the groups never touch the cache
     logits, groups = model.verify_and_draft(state.cache, block, list(range(n_groups)), k - 1)  # [len(block), V]
     state.stats.forwards += 1

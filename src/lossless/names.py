@@ -36,15 +36,15 @@ DEFAULT_LOOKUP = 16
 
 
 def check_tree(tree: int, cycle: str, greedy: bool, attn: str | None, lookup: int = 0) -> None:
-    """A candidate tree (`tree` nodes, 0 = none) and prompt lookup (`lookup` tokens, 0 = none) run in the
-    two-pass cycle, greedy; the tree on stock kernels only (exact mode verifies chains, and so verifies a
-    lookup on its own but never beside a tree)."""
+    """A candidate tree (`tree` nodes, 0 = none) runs in the two-pass cycle, prompt lookup (`lookup` tokens,
+    0 = none) in either cycle, both greedy; the tree on stock kernels only (exact mode verifies chains, and
+    so verifies a lookup on its own but never beside a tree)."""
     for flag, value in (("--tree", tree), ("--lookup", lookup)):
         if not value:
             continue
         if value < 0:
             raise LosslessError(f"{flag} must be >= 0 (0 = none), got {value}")
-        if cycle != "two-pass":
+        if cycle != "two-pass" and flag == "--tree":
             raise LosslessError(f"{flag} works with the two-pass cycle; drop {flag} or --cycle fused")
         if not greedy:
             raise LosslessError(f"{flag} works with greedy decoding; drop {flag} or --temperature")
