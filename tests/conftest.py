@@ -49,6 +49,18 @@ def ar_reference(model: OrthrusLM, prompt: list[int], max_new_tokens: int, eos_i
     return state.generated
 
 
+def assert_stops_at_length_and_at_eos(model: OrthrusLM, prompts, max_new: int, n_ref: int, eos_at: int, **cfg) -> None:
+    """Orthrus with the DecodeConfig fields `cfg` stops exactly at `max_new` tokens, and right after an EOS
+    (the reference's token at `eos_at`) that falls inside a multi-token cycle; both times with AR's tokens."""
+    for prompt in prompts:
+        ref = ar_reference(model, prompt, n_ref)
+        state = decode(model, prompt, "orthrus", DecodeConfig(max_new_tokens=max_new, eos_ids=NO_EOS, **cfg))
+        assert state.generated == ref[:max_new] and state.finished == "length"
+        eos = ref[eos_at]
+        state = decode(model, prompt, "orthrus", DecodeConfig(max_new_tokens=n_ref, eos_ids=(eos,), **cfg))
+        assert state.generated == ref[: ref.index(eos) + 1] and state.finished == "eos"
+
+
 def plain_and_noisy_models(noise: float = 0.3) -> dict[str, tuple[OrthrusLM, OrthrusLM]]:
     """Per family, two tiny k=8 models: one with its untrained head and one whose head is perturbed (so its
     drafts are partly wrong)."""

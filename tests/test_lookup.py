@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import NO_EOS, PROMPTS, ar_reference, plain_and_noisy_models
+from conftest import NO_EOS, PROMPTS, ar_reference, assert_stops_at_length_and_at_eos, plain_and_noisy_models
 from lossless import decoding
 from lossless.decoding import DecodeConfig, decode, lookup_proposal
 from lossless.errors import LosslessError
@@ -99,14 +99,7 @@ def test_a_wrong_lookup_costs_no_token(models, monkeypatch):
 
 @pytest.mark.parametrize("max_new", [1, 2, 5, 13])
 def test_lookup_stops_at_max_new_tokens_and_at_eos_inside_a_span(models, max_new):
-    model = models["llama"][0]
-    for prompt in (*PROMPTS, REPEATING):
-        ref = ar_reference(model, prompt, 30)
-        state = decode(model, prompt, "orthrus", DecodeConfig(max_new_tokens=max_new, lookup=16, eos_ids=NO_EOS))
-        assert state.generated == ref[:max_new] and state.finished == "length"
-        eos = ref[20]
-        state = decode(model, prompt, "orthrus", DecodeConfig(max_new_tokens=30, lookup=16, eos_ids=(eos,)))
-        assert state.generated == ref[: ref.index(eos) + 1] and state.finished == "eos"
+    assert_stops_at_length_and_at_eos(models["llama"][0], (*PROMPTS, REPEATING), max_new, 30, 20, lookup=16)
 
 
 @pytest.mark.parametrize("cfg,needle", [

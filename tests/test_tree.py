@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import NO_EOS, PROMPTS, ar_reference, plain_and_noisy_models
+from conftest import NO_EOS, PROMPTS, ar_reference, assert_stops_at_length_and_at_eos, plain_and_noisy_models
 from lossless.decoding import DecodeConfig, build_tree, decode
 from lossless.errors import LosslessError
 from lossless.sampling import SamplingConfig
@@ -58,14 +58,7 @@ def test_tree_greedy_equals_ar_greedy_token_for_token(models, family, nodes):
 
 @pytest.mark.parametrize("max_new", [1, 2, 5, 13])
 def test_tree_stops_at_max_new_tokens_and_at_eos_inside_a_path(models, max_new):
-    model = models["llama"][0]
-    for prompt in PROMPTS:
-        ref = ar_reference(model, prompt, 20)
-        state = decode(model, prompt, "orthrus", DecodeConfig(max_new_tokens=max_new, tree=16, eos_ids=NO_EOS))
-        assert state.generated == ref[:max_new] and state.finished == "length"
-        eos = ref[3]
-        state = decode(model, prompt, "orthrus", DecodeConfig(max_new_tokens=20, tree=16, eos_ids=(eos,)))
-        assert state.generated == ref[: ref.index(eos) + 1] and state.finished == "eos"
+    assert_stops_at_length_and_at_eos(models["llama"][0], PROMPTS, max_new, 20, 3, tree=16)
 
 
 def test_a_path_of_runner_up_drafts_is_accepted_and_its_cache_rows_are_kept(models, monkeypatch):
