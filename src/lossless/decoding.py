@@ -151,7 +151,7 @@ class DecodeConfig:
     cycle: str = "two-pass"  # how orthrus spends forwards: "two-pass" (draft, then verify) or "fused"
     groups: int | None = None  # fused: draft groups per forward, for acceptance counts 0..groups-1 (None = all)
     tree: int = 0  # two-pass, greedy: verify a tree of this many draft candidates (0 = the chain of top drafts)
-    lookup: int = 0  # two-pass, greedy: verify up to this many tokens copied from earlier context (0 = none)
+    lookup: int = 0  # greedy, either cycle: verify up to this many tokens copied from earlier context (0 = none)
 
 
 @dataclass
