@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import NO_EOS, PROMPTS, ar_reference, assert_stops_at_length_and_at_eos, plain_and_noisy_models
+from conftest import (NO_EOS, PROMPTS, ar_reference, assert_stops_at_length_and_at_eos, plain_and_noisy_models,
+                      tiny_orthrus)
 from lossless import decoding
 from lossless.decoding import DecodeConfig, decode, lookup_proposal
 from lossless.errors import LosslessError
@@ -95,6 +96,20 @@ def test_a_wrong_lookup_costs_no_token(models, monkeypatch):
     for prompt in (*PROMPTS, REPEATING):
         state = decode(model, prompt, "orthrus", DecodeConfig(max_new_tokens=N_NEW, lookup=6, eos_ids=NO_EOS))
         assert state.generated == ar_reference(model, prompt, N_NEW)
+
+
+def test_a_cycle_with_nothing_beside_its_chain_is_the_chain_cycle_bit_for_bit(family, monkeypatch):
+    """bf16, no context match: every lookup cycle is a bare chain, verified by the plain causal verify (never the
+    tree-mask path), so tokens and every committed margin equal the chain cycle's to the bit."""
+    model = tiny_orthrus(family, k=8)
+    model.backbone.to(torch.bfloat16)
+    monkeypatch.setattr(decoding, "lookup_proposal", lambda tokens, n: ([], 0))
+    monkeypatch.setattr(model, "verify_tree", lambda *a: pytest.fail("a chain went through verify_tree"))
+    for prompt in (*PROMPTS, REPEATING):
+        runs = [decode(model, prompt, "orthrus", DecodeConfig(max_new_tokens=N_NEW, eos_ids=NO_EOS, lookup=n,
+                                                              record_margins=True)) for n in (0, 16)]
+        assert runs[0].generated == runs[1].generated and runs[0].margins == runs[1].margins
+        assert runs[0].stats.accepted == runs[1].stats.accepted
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 5, 13])

@@ -381,7 +381,7 @@ def tree_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: i
         return orthrus_cycle(model, state, cfg, 1, generator)
     # 1. draft, and the cfg.tree most probable paths through each position's top candidates (or the chain of
     #    top drafts when cfg.tree is 0)
-    logits = model.draft(state.cache, state.tokens[-1], k)[:depth]  # [depth, V]
+    logits = model.draft(state.cache, state.tokens[-1], depth + 1)  # [depth, V]: the chain cycle's block
     state.stats.forwards += 1
     if cfg.tree:
         top = torch.topk(torch.softmax(logits.float(), dim=-1), min(TREE_WIDTH, logits.shape[-1]), dim=-1)
@@ -405,9 +405,14 @@ def tree_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: i
             row = len(tokens)
             children.setdefault(node, {})[tok] = row
         node = row
-    # 2. verify: every node in one forward, each seeing the cache and its ancestors
+    # 2. verify: every node in one forward, each seeing the cache and its ancestors; a chain (no tree and
+    #    nothing beside it) is the plain causal verify of `orthrus_cycle`, kernels and numerics included
     start = len(state.tokens) - 1  # the cache length: where the root goes
-    verify = model.verify_tree(state.cache, [state.tokens[-1], *tokens], parents)  # [1 + len(paths), V]
+    block = [state.tokens[-1], *tokens]
+    if all(parent == row for row, parent in enumerate(parents[1:])):
+        verify = model.verify(state.cache, block)  # [len(block), V]
+    else:
+        verify = model.verify_tree(state.cache, block, parents)  # [len(block), V]
     state.stats.forwards += 1
     # 3. accept: follow the AR argmax from the root while a child holds it
     targets = argmax(verify).tolist()
@@ -428,9 +433,8 @@ def lookup_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k:
     proposal, matched = lookup_proposal(state.tokens, min(cfg.lookup, cfg.max_new_tokens - len(state.generated) - 1))
     if matched >= LOOKUP_ALONE:
         return orthrus_cycle(model, state, cfg, len(proposal) + 1, generator, drafter=lambda *_: (proposal, None))
-    if getattr(model, "attn", None) == EXACT:
-        return orthrus_cycle(model, state, cfg, k, generator)
-    return tree_cycle(model, state, cfg, k, generator, proposal[:LOOKUP_BESIDE])
+    beside = () if getattr(model, "attn", None) == EXACT else proposal[:LOOKUP_BESIDE]  # exact verifies chains only
+    return tree_cycle(model, state, cfg, k, generator, beside)
 
 
 def fused_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, generator,
