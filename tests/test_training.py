@@ -84,6 +84,43 @@ def test_draft_attention_with_grouped_query_attention_in_the_kernel_equals_the_s
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("anchors", [[5, 8, 11, 12, 17, 20, 26], [17, 5, 26, 8, 0]])
+def test_draft_attention_in_chunks_of_blocks_equals_one_masked_attention(family, anchors):
+    """The draft pass in chunks of 1, 2 or 3 blocks (each chunk's rows against the context keys they may see
+    and their own rows), also with unsorted anchors and an anchor at 0 that sees no context: the loss, the
+    agreement counts and the head's gradients of one masked attention over all rows."""
+    model = tiny_orthrus(family, k=4)
+    perturb_head(model)
+    rec = synthetic_records(1)[0]
+    ids = rec["prompt_ids"] + rec["response_ids"]
+    results = []
+    for blocks in (0, 1, 2, 3):
+        loss, n_pos, agree = DistillLoss(model, 4, chunk_blocks=blocks)(ids, 6, anchors)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.head_parameters().items() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        results.append((loss.detach(), n_pos, agree, grads))
+    loss_a, n_a, agree_a, grads_a = results[0]
+    assert grads_a and n_a > 0
+    for loss_b, n_b, agree_b, grads_b in results[1:]:
+        assert n_b == n_a and torch.equal(agree_b, agree_a) and grads_b.keys() == grads_a.keys()
+        torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+        for name in grads_a:
+            torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-4, atol=1e-6)
+
+
+def test_chunk_masks_cover_the_block_layout_and_bad_chunk_sizes_are_refused():
+    from lossless.dualview import chunked_block_masks
+
+    chunks = chunked_block_masks([2, 4, 7], 3, 2, torch.float32)
+    assert [(a, b, n) for a, b, n, _ in chunks] == [(0, 6, 4), (6, 9, 7)]
+    assert torch.equal(chunks[0][3][0, 0] == 0, block_visibility([2, 4], 3, 4))
+    assert torch.equal(chunks[1][3][0, 0] == 0, block_visibility([7], 3, 7))
+    with pytest.raises(LosslessError, match="chunk"):
+        chunked_block_masks([2], 3, 0, torch.float32)
+
+
 def test_untrained_head_kl_is_not_zero_but_ce_option_runs():
     model = tiny_orthrus("llama", k=4)
     rec = synthetic_records(1)[0]
