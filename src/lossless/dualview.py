@@ -54,7 +54,8 @@ class DraftSpec:
 
     `context_mask` is None at inference: every cached position and every block position is visible.
     In training it is an additive float mask `[1, 1, q, n_ctx + q]` (0 = visible, -inf = hidden) that
-    lets each block see AR keys strictly before its anchor and its own block bidirectionally.
+    lets each block see AR keys strictly before its anchor and its own block bidirectionally (or the same
+    layout in `chunks` of blocks, which training uses by default).
     `context` optionally replaces the cache as the source of AR keys/values: a list over layers of
     `(keys, values)`, each `[b, kv_heads, n_ctx, head_dim]`.
     """
