@@ -28,20 +28,29 @@ demo: $(STAMP)
 # checkpoint in runs/ (not committed). The head is published to heads/smollm2-135m whenever held-out
 # tokens per cycle beats the head already there; the log and learning curve go to results/head-training/.
 # HEAD_PROCS processes (one per core) split the response generation. Days of CPU: run it in the background.
+# Each evaluation also scores the head teacher-forced on fixed blocks of 64 held-out sequences: the model's
+# responses to data/train_prompts.jsonl (disjoint from the run's prompts; in data/distill/, made by head-data),
+# and publishing follows that score (low noise, the same blocks for every head).
 comma := ,
 HEAD_PROCS   ?= 1
 DISTILL_DIR  := data/distill/smollm2-135m-bf16-128
 DISTILL_ARGS := --model smollm2-135m --dtype bf16 --prompts data/distill_prompts.jsonl --out $(DISTILL_DIR) \
 	--max-new-tokens 128 --batch 32
+EVAL_DIR     := data/distill/smollm2-135m-bf16-128-train-prompts
+EVAL_ARGS    := --model smollm2-135m --dtype bf16 --prompts data/train_prompts.jsonl --out $(EVAL_DIR) \
+	--max-new-tokens 128 --batch 32
 HEAD_RUN     := runs/head-training
 HEAD_COMMON  := --model smollm2-135m --prompts data/distill_prompts.jsonl --distill-dir $(DISTILL_DIR) \
 	--k 8 --steps 20000 --lr 3e-4 --warmup 100 --seqs-per-step 4 --anchors 32 \
-	--save-every 20 --eval-every 100 --eval-prompts 8 --eval-tokens 96 --encoding delta_int8 --seed 0
+	--save-every 20 --eval-every 100 --eval-prompts 8 --eval-tokens 96 --encoding delta_int8 --seed 0 \
+	--eval-distill-dir $(EVAL_DIR) --eval-sequences 64
 HEAD_ARGS    := $(HEAD_COMMON) --out $(HEAD_RUN) --log results/head-training/log.jsonl --publish heads/smollm2-135m
 head-data: $(STAMP)
-	if [ "$(HEAD_PROCS)" = 1 ]; then $(BIN)/lossless distill $(DISTILL_ARGS); \
+	if [ "$(HEAD_PROCS)" = 1 ]; then $(BIN)/lossless distill $(DISTILL_ARGS) && $(BIN)/lossless distill $(EVAL_ARGS); \
 	else OMP_NUM_THREADS=1 $(BIN)/accelerate launch --multi_gpu --num_processes $(HEAD_PROCS) --num_machines 1 \
-		--mixed_precision no --dynamo_backend no -m lossless distill $(DISTILL_ARGS); fi
+		--mixed_precision no --dynamo_backend no -m lossless distill $(DISTILL_ARGS) && \
+	OMP_NUM_THREADS=1 $(BIN)/accelerate launch --multi_gpu --num_processes $(HEAD_PROCS) --num_machines 1 \
+		--mixed_precision no --dynamo_backend no -m lossless distill $(EVAL_ARGS); fi
 
 # resume: from the checkpoint on this machine, else (a new machine) from the head this run last published
 head: head-data
@@ -65,7 +74,7 @@ head-arms: $(STAMP)
 	    --no-progress && touch runs/arms/$$name/done; }; \
 	done
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/heads.py $(ARMS_FROM) $(foreach a,$(ARMS),runs/arms/$(firstword $(subst :, ,$(a)))) \
-	  --labels start,$(subst $(eval) ,$(comma),$(foreach a,$(ARMS),$(firstword $(subst :, ,$(a))))) --threads 1 \
+	  --labels start,$(subst $(eval) ,$(comma),$(foreach a,$(ARMS),$(firstword $(subst :, ,$(a))))) --threads 1 --forced $(EVAL_DIR) \
 	  | tee results/head-training/arms/heads.txt
 
 # the full study (results/full-study/README.md): resumable from the committed records, on any machine;

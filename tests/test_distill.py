@@ -65,3 +65,28 @@ def test_distill_then_train_from_the_directory(setup, tmp_path, capsys):
                  "--log", str(tmp_path / "log.jsonl")]) == 0
     assert (tmp_path / "head" / "head.json").exists()
     assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 2
+
+
+def test_train_scores_held_out_sequences_teacher_forced_and_refuses_its_own_prompts(setup, tmp_path, capsys):
+    data, held = tmp_path / "data", tmp_path / "held"
+    held_prompts = tmp_path / "held.jsonl"
+    held_prompts.write_text("".join(json.dumps({"id": f"h{i}", "prompt": f"v{i} v{i + 3} v{2 * i}"}) + "\n"
+                                    for i in range(4)))
+    common = ["--model", setup["model"], "--dtype", "fp32", "--max-new-tokens", "10", "--no-progress"]
+    assert main(["distill", *common, "--prompts", str(setup["prompts"]), "--out", str(data)]) == 0
+    assert main(["distill", *common, "--prompts", str(held_prompts), "--out", str(held)]) == 0
+    train = ["train", "--model", setup["model"], "--prompts", str(setup["prompts"]), "--distill-dir", str(data),
+             "--k", "4", "--steps", "2", "--anchors", "3", "--seqs-per-step", "2", "--eval-prompts", "0",
+             "--eval-every", "2", "--no-progress"]
+    capsys.readouterr()
+    assert main([*train, "--out", str(tmp_path / "h"), "--eval-distill-dir", str(held), "--eval-sequences", "3",
+                 "--log", str(tmp_path / "log.jsonl")]) == 0
+    last = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()][-1]
+    assert 1.0 <= last["forced_tokens_per_cycle"] <= 4.0 and 0 < sum(last["forced_accepted"]) <= 9
+    # the training responses themselves are not held out
+    capsys.readouterr()
+    assert main([*train, "--out", str(tmp_path / "h2"), "--eval-distill-dir", str(data)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "also training prompts" in err and len(err.splitlines()) == 1
+    assert main([*train, "--out", str(tmp_path / "h3"), "--eval-distill-dir", str(tmp_path / "none")]) == 2
+    assert "lossless distill" in capsys.readouterr().err

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import perturb_head, tiny_orthrus
+from conftest import NO_EOS, ar_reference, perturb_head, tiny_orthrus
+from lossless.decoding import DecodeConfig, decode
 from lossless.dualview import block_visibility
 from lossless.errors import LosslessError
 from lossless.training import (DistillLoss, FrozenCast, TrainConfig, choose_anchors, position_weights, step_rng,
@@ -286,6 +287,7 @@ def test_the_learning_curve_fits_a_trend_and_predicts_ten_times_the_tokens(tmp_p
             rec["heldout_tokens_per_step"] = 2.0 + 0.1 * math.log10(step * 1000)
             rec["agree"] = [0.8, 0.4, 0.1]
             rec["heldout_accepted"] = [10, 50, 30, 10]  # cycles accepting 0, 1, 2, 3 drafts
+            rec["forced_tokens_per_cycle"] = 2.5 + step / 1000  # teacher-forced held-out score
         history.append(rec)
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in history))
@@ -297,6 +299,7 @@ def test_the_learning_curve_fits_a_trend_and_predicts_ten_times_the_tokens(tmp_p
     table = (tmp_path / "out" / "learning_curve.md").read_text()
     assert "| 40 | 40,000 |" in table and "0.80 0.40 0.10" in table
     assert "| 0.90 0.40 0.10 |" in table  # at least 1, 2, 3 drafts accepted
+    assert "| 2.540 | 0.90 0.40 0.10 |" in table  # the forced score beside it
 
 
 
@@ -367,3 +370,69 @@ def test_an_arm_from_init_head_starts_at_that_heads_step_and_matches_the_run_it_
                                                      "init_head": str(tmp_path / "at3"),
                                                      "position_weights": [0.0, 1.0, 1.0]}), progress=False)
     assert not all(torch.equal(a, b) for a, b in zip(_head_state(run).values(), _head_state(other).values()))
+
+
+def test_teacher_forced_acceptance_is_what_decoding_its_own_trajectory_accepts(family):
+    # fp32: Orthrus decodes the AR trajectory; at the anchors its cycles start from, the teacher-forced
+    # count of leading drafts equal to the AR argmax is the count decoding accepted, cycle by cycle
+    from lossless.training import forced_accepted
+
+    model = tiny_orthrus(family, k=4)
+    perturb_head(model, 0.02)  # a head that is not the AR view's copy
+    loss = DistillLoss(model, 4)
+    seen = []
+    for prompt in ([1, 5, 9, 3], [7, 7, 2, 8, 8], [30, 2, 44]):
+        ref = ar_reference(model, prompt, 40)
+        state = decode(model, prompt, "orthrus", DecodeConfig(max_new_tokens=40, k=4, eos_ids=NO_EOS))
+        assert state.generated == ref
+        ids, anchors, a = prompt + ref, [], len(prompt)  # the first cycle drafts after the prefill's token
+        for n in state.stats.accepted:
+            anchors.append(a)
+            a += n + 1
+        full = [i for i, a in enumerate(anchors) if a <= len(ids) - 4 - 1]  # blocks and bonus token inside ids
+        got = forced_accepted(loss, ids, [anchors[i] for i in full]).tolist()
+        assert got == [state.stats.accepted[i] for i in full]
+        seen += got
+    assert len(set(seen)) >= 2  # the comparison saw cycles that accepted different numbers of drafts
+
+
+def test_forced_blocks_are_fixed_full_blocks_and_score_tokens_per_cycle():
+    from lossless.training import forced_accepted, forced_blocks, forced_eval
+
+    records = synthetic_records(6) + [{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}]  # too short for k=4
+    for i, r in enumerate(records):
+        r["key"] = f"p{5 - i}"  # key order is the reverse of list order
+    blocks = forced_blocks(records, 10, k=4, anchors=5, seed=3)
+    assert blocks == forced_blocks(records[::-1], 10, k=4, anchors=5, seed=3) and len(blocks) == 6
+    records = records[:6][::-1]  # in key order
+    assert [ids for ids, _ in forced_blocks(records, 2, k=4, anchors=5, seed=3)] == [
+        records[i]["prompt_ids"] + records[i]["response_ids"] for i in (0, 3)]  # spread over the records
+    for (ids, anchors), r in zip(blocks, records):
+        assert len(anchors) == 5 and anchors == sorted(set(anchors))
+        assert all(len(r["prompt_ids"]) <= a <= len(ids) - 4 for a in anchors)
+    model = tiny_orthrus("llama", k=4)
+    loss = DistillLoss(model, 4)
+    mean, hist = forced_eval(loss, blocks)
+    per_block = torch.cat([forced_accepted(loss, ids, anchors) for ids, anchors in blocks])
+    assert hist == torch.bincount(per_block, minlength=4).tolist() and sum(hist) == 30
+    assert mean == pytest.approx(float(per_block.float().mean()) + 1)
+
+
+def test_a_run_with_held_out_sequences_logs_forced_scores_and_publishes_by_them(tmp_path):
+    from lossless.training import FORCED, forced_blocks, forced_eval
+
+    held = forced_blocks(synthetic_records(4, seed=1), 4, k=4, anchors=6)
+    good, bad = tiny_orthrus("llama", k=4), tiny_orthrus("llama", k=4)  # the AR view's copy, and a noisy head
+    perturb_head(bad, 3.0)
+    good_score, bad_score = (round(forced_eval(DistillLoss(m, 4), held)[0], 4) for m in (good, bad))
+    assert good_score > bad_score
+    for trained, there, published in ((bad, good, False), (good, bad, True)):
+        there.save_head(tmp_path / "pub")
+        before = (tmp_path / "pub" / "head.json").read_text()
+        cfg = TrainConfig(out=str(tmp_path / f"run{published}"), k=4, steps=2, lr=0.0, warmup=1, seqs_per_step=2,
+                          anchors=4, save_every=0, eval_every=1, autocast="off", publish=str(tmp_path / "pub"))
+        history = train(trained, synthetic_records(), cfg, forced=held, progress=False)["history"]
+        # lr 0: every evaluation scores the trained head as it came, on the same 24 blocks; no decoding
+        assert [h[FORCED] for h in history] == [good_score if published else bad_score] * 2
+        assert all(sum(h["forced_accepted"]) == 24 and "heldout_tokens_per_step" not in h for h in history)
+        assert ((tmp_path / "pub" / "head.json").read_text() != before) == published

@@ -127,7 +127,8 @@ def cmd_train(args) -> int:
         max_new_tokens=args.max_new_tokens, distill_batch=args.distill_batch, autocast=args.autocast,
         position_decay=args.position_decay, mask_lr_mult=args.mask_lr_mult, log=args.log or "",
         publish=args.publish or "", position_weights=_floats(args.position_weights, "--position-weights"),
-        init_head=args.init_head or "", draft_adapter=args.draft_adapter, adapter_lr_mult=args.adapter_lr_mult)
+        init_head=args.init_head or "", draft_adapter=args.draft_adapter, adapter_lr_mult=args.adapter_lr_mult,
+        eval_distill=args.eval_distill_dir or "", eval_sequences=args.eval_sequences)
     if cfg.k < 2:
         raise LosslessError("--k must be >= 2 to train a drafter")
     if cfg.draft_adapter < 0:
@@ -143,6 +144,10 @@ def cmd_train(args) -> int:
     if args.distill_dir:  # responses made by `lossless distill`: read only
         data_dir = Path(args.distill_dir)
         distill.check_source(data_dir, cfg.prompts)
+    if cfg.eval_distill:
+        distill.check_model(cfg.eval_distill, cfg.model)
+        if cfg.eval_sequences < 1:
+            raise LosslessError(f"--eval-sequences must be >= 1, got {cfg.eval_sequences}")
     accelerator = Accelerator(cpu=args.device == "cpu")
     training.position_weights(cfg.k, cfg.position_decay, cfg.position_weights)  # refuse bad weights now
     if cfg.init_head:
@@ -184,9 +189,18 @@ def cmd_train(args) -> int:
         # the last held-out prompts: the speed benchmark's (the first ones) never choose a head
         heldout = [encode_prompt(model.tokenizer, p["prompt"])
                    for p in distill.read_prompts(paths.HELDOUT_PROMPTS)[-cfg.eval_prompts:]]
+    forced = None
+    if cfg.eval_distill:
+        held = distill.load_records(cfg.eval_distill)
+        seen = {tuple(r["prompt_ids"]) for r in records}
+        clash = sum(tuple(r["prompt_ids"]) in seen for r in held)
+        if clash:
+            raise LosslessError(f"{clash} prompts of {cfg.eval_distill} are also training prompts: held-out sequences "
+                                "must come from prompts the head does not train on")
+        forced = training.forced_blocks(held, cfg.eval_sequences, cfg.k, cfg.anchors, cfg.seed)
     model.train(False)
     summary = training.train(model, records, cfg, heldout=heldout, resume=args.resume, accelerator=accelerator,
-                             progress=not args.no_progress, stop_at=args.stop_at)
+                             progress=not args.no_progress, stop_at=args.stop_at, forced=forced)
     if accelerator.is_main_process:
         summary["records"] = len(records)
         summary["config"] = asdict(cfg)
@@ -379,6 +393,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--distill-dir", default=None,
                    help="record directory of the responses (e.g. made by `lossless distill`; default: the user cache)")
     t.add_argument("--eval-tokens", type=int, default=64, help="tokens per held-out prompt at each evaluation")
+    t.add_argument("--eval-distill-dir", default=None, metavar="DIR",
+                   help="responses to held-out prompts (made by `lossless distill`): each evaluation also scores the "
+                        "head teacher-forced on fixed blocks of them, and publishing follows that score")
+    t.add_argument("--eval-sequences", type=int, default=64, help="held-out sequences scored teacher-forced per evaluation "
+                                                                 "(--anchors blocks each)")
     t.add_argument("--autocast", default="auto", choices=["auto", "bf16", "off"],
                    help="products in bf16 with fp32 head weights (auto: where the CPU multiplies bf16 natively, or CUDA)")
     t.add_argument("--position-decay", type=float, default=1.0, help="loss weight of block position j: decay**j")

@@ -23,6 +23,7 @@ from .errors import LosslessError
 from .jsonio import atomic_write, read_jsonl
 
 METRIC = "heldout_tokens_per_step"
+FORCED = "forced_tokens_per_cycle"  # teacher-forced on fixed blocks of held-out sequences, where the run has them
 
 
 def evaluations(history: list[dict]) -> list[dict]:
@@ -32,7 +33,8 @@ def evaluations(history: list[dict]) -> list[dict]:
         losses.append(rec["loss"])
         if METRIC in rec:
             rows.append({"step": rec["step"], "tokens": rec.get("tokens", 0), "positions": rec.get("positions", 0),
-                         "loss": sum(losses) / len(losses), METRIC: rec[METRIC], "agree": rec.get("agree"),
+                         "loss": sum(losses) / len(losses), METRIC: rec[METRIC], FORCED: rec.get(FORCED),
+                         "agree": rec.get("agree"),
                          "accepted": acceptance(rec.get("heldout_accepted"))})
             losses = []
     return rows
@@ -90,6 +92,10 @@ def write_curve(logs: list[str | Path], out: str | Path, labels: list[str] | Non
             xs = [rows[0]["tokens"], t["tokens_10x"]]
             ax.plot(xs, [t["a"] + t["b"] * math.log10(x) for x in xs], ":", color=line.get_color(),
                     label=f"{label}: trend, 10x -> {t['predicted_10x']:.2f}")
+        forced = [r for r in rows if r[FORCED] is not None]
+        if forced:
+            ax.plot([r["tokens"] for r in forced], [r[FORCED] for r in forced], "s--", color=line.get_color(),
+                    markersize=4, label=f"{label}: teacher-forced, held-out sequences")
     ax.set_xscale("log")
     ax.set_xlabel("training tokens seen (sequence tokens)")
     ax.set_ylabel("held-out tokens per cycle (two-pass)")
@@ -104,15 +110,19 @@ def render(curves: dict) -> str:
     lines = ["# Draft-head learning curve", "",
              "Held-out tokens per cycle: two-pass greedy Orthrus on held-out prompts (fp32), at each evaluation.",
              "Draft j accepted: the share of those cycles that accepted at least j drafts (j = 1..4).",
+             "Forced: tokens per cycle teacher-forced on the same blocks of held-out sequences at every evaluation",
+             "(the AR view's greedy responses to prompts no head trains on), where the run has them.",
              "Agreement: how often the draft's argmax equals the teacher's, by block position, on the training",
              "blocks since the previous evaluation.", ""]
     for label, c in curves.items():
-        lines += [f"## {label}", "", "| step | tokens | loss | tokens/cycle | held-out: draft j accepted | "
-                  "training: agreement by position |", "|---:|---:|---:|---:|---|---|"]
+        lines += [f"## {label}", "", "| step | tokens | loss | tokens/cycle | forced | held-out: draft j accepted | "
+                  "training: agreement by position |", "|---:|---:|---:|---:|---:|---|---|"]
         for r in c["evaluations"]:
             agree = " ".join(f"{a:.2f}" for a in r["agree"]) if r["agree"] else ""
             accepted = " ".join(f"{a:.2f}" for a in r["accepted"][:4]) if r["accepted"] else ""
-            lines.append(f"| {r['step']} | {r['tokens']:,} | {r['loss']:.3f} | {r[METRIC]:.3f} | {accepted} | {agree} |")
+            forced = f"{r[FORCED]:.3f}" if r[FORCED] is not None else ""
+            lines.append(f"| {r['step']} | {r['tokens']:,} | {r['loss']:.3f} | {r[METRIC]:.3f} | {forced} | {accepted} "
+                         f"| {agree} |")
         t = c["trend"]
         lines.append("")
         if t:

@@ -81,12 +81,25 @@ def open_distillation(out_dir: str | Path, model: str, dtype: str, max_new_token
     return meta
 
 
-def check_source(out_dir: str | Path, prompts: str | Path) -> dict:
-    """The meta of a distillation directory made from the prompt file `prompts`; refuses anything else."""
+def read_meta(out_dir: str | Path) -> dict:
     path = Path(out_dir) / META
     if not path.exists():
         raise LosslessError(f"{out_dir} holds no responses: make them with `lossless distill --out {out_dir}`")
-    meta = json.loads(path.read_text())
+    return json.loads(path.read_text())
+
+
+def check_model(out_dir: str | Path, model: str) -> dict:
+    """The meta of a distillation directory holding responses of `model`; refuses another model's."""
+    meta = read_meta(out_dir)
+    if meta.get("model") != Path(model).name:
+        raise LosslessError(f"{out_dir} holds responses of {meta.get('model')}, not {Path(model).name}: make them "
+                            f"with `lossless distill --model {model}`")
+    return meta
+
+
+def check_source(out_dir: str | Path, prompts: str | Path) -> dict:
+    """The meta of a distillation directory made from the prompt file `prompts`; refuses anything else."""
+    meta = read_meta(out_dir)
     if meta.get("prompts_sha256") != _sha(prompts):
         raise LosslessError(f"{out_dir} holds responses to another prompt file than {prompts}; pass the --prompts "
                             f"it was made from ({meta.get('prompts')})")

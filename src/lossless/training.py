@@ -24,7 +24,9 @@ launch` (DDP; gloo on CPU): each process takes its share of a step's sequences.
 The history (one record per step: loss, lr, tokens and positions seen, held-out tokens per cycle at
 evaluations, top-1 agreement by block position) is written to `log` at every save. `publish`, if set,
 receives the head whenever held-out tokens per cycle beats every earlier evaluation and the head
-already there (measured on the same prompts when training starts).
+already there (measured on the same prompts when training starts): teacher-forced on fixed blocks of
+held-out sequences when the run has them (`forced_eval`: low noise, paired), else by decoding held-out
+prompts.
 
 This module does not generate the distillation data (see `distill.py`) or parse arguments.
 """
@@ -71,6 +73,8 @@ class TrainConfig:
     eval_every: int = 200
     eval_prompts: int = 4
     eval_tokens: int = 64
+    eval_distill: str = ""  # responses to held-out prompts (a `lossless distill` directory) for teacher-forced scores
+    eval_sequences: int = 64  # how many of them each evaluation scores, at `anchors` fixed blocks each
     dtype: str = "fp32"
     encoding: str = "full"
     data: list[str] = field(default_factory=list)
@@ -82,7 +86,7 @@ class TrainConfig:
     position_weights: list[float] = field(default_factory=list)  # explicit weights of block positions 0..k-2
     mask_lr_mult: float = 1.0  # the mask embedding's learning rate, as a multiple of lr
     log: str = ""  # JSONL training log, rewritten at every save
-    publish: str = ""  # head directory written whenever held-out tokens per cycle improves
+    publish: str = ""  # head directory written whenever held-out tokens per cycle improves (forced, else decoded)
     init_head: str = ""  # start from this head's weights at its training step (fresh optimiser), e.g. an arm
     draft_adapter: int = 0  # rank of draft-only MLP adapters to train with the head (0: none)
     adapter_lr_mult: float = 1.0  # the draft adapters' learning rate, as a multiple of lr
@@ -199,9 +203,10 @@ class DistillLoss(nn.Module):
         self.model, self.k, self.loss, self.chunk_blocks = model, k, loss, chunk_blocks
         self.register_buffer("weights", position_weights(k) if weights is None else weights, persistent=False)
 
-    def forward(self, ids: list[int], n_prompt: int, anchors: list[int]) -> tuple[torch.Tensor, int, torch.Tensor]:
-        """Loss (weighted mean over valid block positions), number of positions, and per block position
-        [2, k-1] the count of positions whose draft argmax equals the teacher's, and of positions."""
+    def block_logits(self, ids: list[int], anchors: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Teacher and draft logits of one sequence's blocks: (AR logits [P, V] without gradients, draft
+        log-probabilities [P, V], valid [n, k-1] (the target lies inside the sequence), block position of each
+        of the P valid rows)."""
         m, k = self.model, self.k
         device = m.device
         seq = torch.tensor([ids], device=device)
@@ -228,12 +233,19 @@ class DistillLoss(nn.Module):
         hidden = m.draft_states(embeds, positions, spec=spec)
         hidden = hidden.view(len(anchors), k, -1)[:, : k - 1][valid]  # [P, d]
         q_logp = F.log_softmax(m.draft_logits(hidden).float(), dim=-1)
+        slot = torch.arange(k - 1, device=device).expand_as(target_pos)[valid]
+        return p_logits, q_logp, valid, slot
+
+    def forward(self, ids: list[int], n_prompt: int, anchors: list[int]) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """Loss (weighted mean over valid block positions), number of positions, and per block position
+        [2, k-1] the count of positions whose draft argmax equals the teacher's, and of positions."""
+        k, device = self.k, self.model.device
+        p_logits, q_logp, valid, slot = self.block_logits(ids, anchors)
         # 3. loss per position, weighted by block position
         if self.loss == "kl":
             per = F.kl_div(q_logp, F.log_softmax(p_logits, dim=-1), log_target=True, reduction="none").sum(-1)
         else:
             per = F.nll_loss(q_logp, p_logits.argmax(-1), reduction="none")
-        slot = torch.arange(k - 1, device=device).expand_as(target_pos)[valid]
         w = self.weights[slot]
         loss = (per * w).sum() / w.sum().clamp(min=1e-12)
         with torch.no_grad():
@@ -278,6 +290,51 @@ def heldout_eval(model: OrthrusLM, prompt_ids: list[list[int]], max_new_tokens: 
     return committed / max(steps, 1), hist
 
 
+def forced_blocks(records: list[dict], n: int, k: int, anchors: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """Held-out sequences for `forced_eval`: n records with room for a full block, spread evenly over the
+    records in key order (the same ones on any machine, however the responses were sharded), each with up
+    to `anchors` fixed anchors (drawn once from the seed, so every evaluation scores the same blocks) at
+    response positions a whose block ends inside the sequence (a in [n_prompt, length - k]), the anchors a
+    greedy cycle can start from after the prefill's token."""
+    usable = sorted((r for r in records if len(r["response_ids"]) >= k), key=lambda r: str(r.get("key", "")))
+    picked = [usable[i * len(usable) // n] for i in range(n)] if len(usable) > n else usable
+    out = []
+    for i, r in enumerate(picked):
+        ids, n_prompt = r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"])
+        pool = list(range(n_prompt, len(ids) - k + 1))
+        rng = random.Random(f"{seed}:forced:{i}")
+        out.append((ids, sorted(rng.sample(pool, min(anchors, len(pool))))))
+    return out
+
+
+@torch.no_grad()
+def forced_accepted(loss_module: "DistillLoss", ids: list[int], anchors: list[int]) -> torch.Tensor:
+    """Per anchor, how many leading drafts of its block equal the AR view's argmax on the sequence `ids`:
+    what a greedy two-pass cycle starting there accepts when the context is `ids` itself."""
+    p_logits, q_logp, valid, _ = loss_module.block_logits(ids, anchors)
+    hits = torch.zeros_like(valid)
+    hits[valid] = q_logp.argmax(-1) == p_logits.argmax(-1)
+    return hits.long().cumprod(dim=1).sum(dim=1).cpu()
+
+
+@torch.no_grad()
+def forced_eval(loss_module: "DistillLoss", blocks: list[tuple[list[int], list[int]]]) -> tuple[float, list[int]]:
+    """Held-out tokens per cycle under teacher forcing: at each fixed anchor of each held-out sequence, the
+    drafts a greedy two-pass cycle would accept there (the leading drafts equal to the AR view's argmax),
+    plus the AR view's own token. Returns (mean tokens per cycle, how many blocks accepted 0..k-1 drafts).
+
+    One AR pass and one draft pass per sequence score every anchor at once: thousands of cycles at the
+    cost of a few training steps, on the same blocks at every evaluation, so two heads differ by their
+    drafts alone (decoding held-out prompts scores a few hundred cycles, each head on its own path)."""
+    k = loss_module.k
+    hist = torch.zeros(k, dtype=torch.long)
+    for ids, anchors in blocks:
+        hist += torch.bincount(forced_accepted(loss_module, ids, anchors), minlength=k)
+    blocks_scored = int(hist.sum())
+    mean = float((hist * torch.arange(1, k + 1)).sum()) / max(blocks_scored, 1)
+    return mean, hist.tolist()
+
+
 def heldout_tokens_per_step(model: OrthrusLM, prompt_ids: list[list[int]], max_new_tokens: int, k: int) -> float:
     return heldout_eval(model, prompt_ids, max_new_tokens, k)[0]
 
@@ -303,13 +360,14 @@ def continue_from_published(model: OrthrusLM, cfg: TrainConfig) -> tuple[int, li
     return step, history
 
 
-def published_tokens_per_step(model: OrthrusLM, cfg: TrainConfig, heldout: list[list[int]]) -> float:
-    """Held-out tokens per cycle of the head in `cfg.publish`; the model's own head is restored after."""
+def published_score(model: OrthrusLM, cfg: TrainConfig, measure) -> dict:
+    """`measure()` (the evaluation's record) with the head in `cfg.publish`; the model's own head is restored
+    after."""
     own = {n: p.detach().clone() for n, p in model.head_parameters().items()}
     identity, rank = (model.k, model.head_info, model.head_digest), model.draft_adapter
     try:
         model.load_head(cfg.publish)
-        return heldout_tokens_per_step(model, heldout, cfg.eval_tokens, cfg.k)
+        return measure()
     finally:
         if model.draft_adapter != rank:
             model.set_draft_adapter(rank)
@@ -319,9 +377,18 @@ def published_tokens_per_step(model: OrthrusLM, cfg: TrainConfig, heldout: list[
         model.k, model.head_info, model.head_digest = identity
 
 
+DECODED = "heldout_tokens_per_step"  # two-pass greedy decoding of held-out prompts
+FORCED = "forced_tokens_per_cycle"  # teacher-forced cycles on held-out sequences (`forced_eval`)
+
+
 def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list[list[int]] | None = None,
-          resume: bool = False, accelerator=None, progress: bool = True, stop_at: int | None = None) -> dict:
+          resume: bool = False, accelerator=None, progress: bool = True, stop_at: int | None = None,
+          forced: list[tuple[list[int], list[int]]] | None = None) -> dict:
     """Train `model`'s head on distillation `records` ({"prompt_ids", "response_ids"}). Returns a summary.
+
+    Every `cfg.eval_every` steps the head is scored by decoding the `heldout` prompts and, when given, on the
+    `forced` blocks of held-out sequences (`forced_blocks`); the head is published when the forced score
+    (else the decoded one) beats every earlier evaluation and the head already there.
 
     stop_at: leave after this step with a checkpoint (the schedule still spans cfg.steps), e.g. to
     time-box a session and `--resume` later."""
@@ -373,13 +440,28 @@ def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list
             group["lr"] = base * lam(start_step)
     cast = FrozenCast(model, resolve_autocast(cfg.autocast, model.device))
     loss_module = DistillLoss(model, cfg.k, cfg.loss, position_weights(cfg.k, cfg.position_decay, cfg.position_weights))
+
+    def evaluate() -> dict:
+        model.eval()
+        record = {}
+        if heldout:
+            tps, hist = heldout_eval(model, heldout, cfg.eval_tokens, cfg.k)
+            record[DECODED], record["heldout_accepted"] = round(tps, 4), hist
+        if forced:
+            with cast.step():
+                tpc, hist = forced_eval(loss_module, forced)
+            record[FORCED], record["forced_accepted"] = round(tpc, 4), hist
+        return record
+
     ddp, optimizer = accelerator.prepare(loss_module, optimizer)
     world, rank = accelerator.num_processes, accelerator.process_index
-    best = max((h["heldout_tokens_per_step"] for h in history if "heldout_tokens_per_step" in h), default=0.0)
-    if cfg.publish and heldout and accelerator.is_main_process and (Path(cfg.publish) / "head.json").exists():
-        # the head already there is the one to beat, measured now on the same prompts
-        baseline = published_tokens_per_step(model, cfg, heldout)
-        print(f"note: the head in {cfg.publish} drafts {baseline:.3f} tokens per cycle on the held-out prompts; "
+    metric = FORCED if forced else DECODED
+    best = max((h[metric] for h in history if metric in h), default=0.0)
+    if cfg.publish and (heldout or forced) and accelerator.is_main_process and (Path(cfg.publish) / "head.json").exists():
+        # the head already there is the one to beat, measured now on the same prompts or blocks
+        baseline = published_score(model, cfg, evaluate)[metric]
+        what = "blocks of held-out sequences" if forced else "held-out prompts"
+        print(f"note: the head in {cfg.publish} drafts {baseline:.3f} tokens per cycle on the {what}; "
               "a head is published when it beats that", file=sys.stderr)
         best = max(best, baseline)
 
@@ -451,17 +533,15 @@ def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list
                 if cfg.eval_every and step % cfg.eval_every == 0:
                     record["agree"] = [round(float(a), 4) for a in agree[0] / agree[1].clamp(min=1)]
                     agree.zero_()
-                    if heldout and accelerator.is_main_process:
-                        model.eval()
-                        tps, hist = heldout_eval(model, heldout, cfg.eval_tokens, cfg.k)
-                        record["heldout_tokens_per_step"], record["heldout_accepted"] = round(tps, 4), hist
+                    if accelerator.is_main_process:
+                        record.update(evaluate())
                 history.append(record)
                 elapsed = time.perf_counter() - t0
                 bar.set_postfix(loss=f"{total_loss:.4f}", tok_s=f"{(tokens - tokens_at_start) / max(elapsed, 1e-9):.0f}",
-                                **({"tps": record["heldout_tokens_per_step"]} if "heldout_tokens_per_step" in record else {}))
+                                **({"tps": record[metric]} if metric in record else {}))
                 bar.update(1)
-                if record.get("heldout_tokens_per_step", 0.0) > best:
-                    best = record["heldout_tokens_per_step"]
+                if record.get(metric, 0.0) > best:
+                    best = record[metric]
                     publish(step)
                 if cfg.save_every and step % cfg.save_every == 0:
                     save(step)
