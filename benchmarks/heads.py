@@ -60,7 +60,7 @@ def acceptance_rates(hist: list[int]) -> list[float]:
 
 def forced(model, blocks: list[tuple[list[int], list[int]]]) -> dict:
     """Teacher-forced tokens per cycle on the held-out blocks: overall and per sequence."""
-    from lossless.training import DistillLoss, forced_accepted
+    from lossless.training import DistillLoss, forced_accepted, tokens_per_cycle
 
     loss = DistillLoss(model, model.k)
     per_seq, hist = [], torch.zeros(model.k, dtype=torch.long)
@@ -69,8 +69,7 @@ def forced(model, blocks: list[tuple[list[int], list[int]]]) -> dict:
             accepted = forced_accepted(loss, ids, anchors)
             per_seq.append(float(accepted.float().mean()) + 1)
             hist += torch.bincount(accepted, minlength=model.k)
-    mean = float((hist * torch.arange(1, model.k + 1)).sum()) / max(int(hist.sum()), 1)
-    return {"forced_tokens_per_cycle": round(mean, 4), "forced_per_sequence": per_seq,
+    return {"forced_tokens_per_cycle": round(tokens_per_cycle(hist), 4), "forced_per_sequence": per_seq,
             "forced_acceptance_by_draft": acceptance_rates(hist.tolist())}
 
 

@@ -330,9 +330,12 @@ def forced_eval(loss_module: "DistillLoss", blocks: list[tuple[list[int], list[i
     hist = torch.zeros(k, dtype=torch.long)
     for ids, anchors in blocks:
         hist += torch.bincount(forced_accepted(loss_module, ids, anchors), minlength=k)
-    blocks_scored = int(hist.sum())
-    mean = float((hist * torch.arange(1, k + 1)).sum()) / max(blocks_scored, 1)
-    return mean, hist.tolist()
+    return tokens_per_cycle(hist), hist.tolist()
+
+
+def tokens_per_cycle(hist: torch.Tensor) -> float:
+    """Mean tokens per cycle from a histogram of cycles that accepted 0..k-1 drafts (each adds one token)."""
+    return float((hist * torch.arange(1, len(hist) + 1)).sum()) / max(int(hist.sum()), 1)
 
 
 def heldout_tokens_per_step(model: OrthrusLM, prompt_ids: list[list[int]], max_new_tokens: int, k: int) -> float:
