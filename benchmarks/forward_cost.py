@@ -1,14 +1,18 @@
 """The cost model behind the cycles: what one forward costs as its rows grow, and where its time goes.
 
-At a fixed cache length it times, alternating in one process (medians over rounds):
-- AR forwards of 1, 2, 4, 8, 16 and 32 rows (a decode step and verify blocks),
+At a fixed cache length it times, alternating in one process (medians over rounds), on each kernel of
+`--attn` (e.g. `sdpa,exact`: stock kernels and exact mode's side by side):
+- AR forwards of 1, 2, 4, 8, 9, 16, 17 and 32 rows (a decode step and verify blocks; 9 rows is the chain's
+  verify at k=8, 17 a lookup of 16 tokens),
+- a tree verify (the 8-node tree of the chain's shape plus a 4-token branch: 13 rows),
 - the two-pass draft pass (k rows of the draft view),
 - fused forwards `verify_and_draft` for each `--fused k:groups` setting (k verify rows plus `groups`
   draft groups of k rows),
-and profiles one decode step and one fused forward by op (linear layers, attention, LM head, the rest).
-The last stdout line is one JSON object.
+and profiles a decode step and a 9-row verify by op family (linear layers, LM head, attention, norms and
+activations, the rest; exact mode's kernels are counted under the family they replace) and the fused forward
+of the first setting (its draft groups' LM head call included). The last stdout line is one JSON object.
 
-    python benchmarks/forward_cost.py --dtype bf16 --cache 200 --fused 4:2,4:4,8:8
+    python benchmarks/forward_cost.py --dtype bf16 --cache 200 --attn sdpa,exact --fused 3:3,4:2
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -34,25 +39,76 @@ def parse_fused(text: str) -> tuple[int, int]:
         raise LosslessError(f"--fused '{text}': expected k:groups, e.g. 4:2") from None
 
 
+FAMILIES = ("linear (GEMM)", "LM head (GEMM)", "attention", "norm + activation", "other")
+
+
+@contextmanager
+def labelled_exact_kernels():
+    """Exact mode's compiled kernels under profiler labels (they are not aten ops), for `profile_ops`."""
+    from torch.profiler import record_function
+
+    from lossless import kernels
+
+    saved = {name: getattr(kernels, name) for name in ("linear", "attention", "rms_norm", "silu")}
+
+    def wrap(name, fn):
+        def call(*args, **kwargs):
+            label = "lm_head" if name == "linear" and args[2] > 10000 else name
+            with record_function(f"exact::{label}"):
+                return fn(*args, **kwargs)
+        return call
+
+    for name, fn in saved.items():
+        setattr(kernels, name, wrap(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(kernels, name, fn)
+
+
+def family(key: str, shapes) -> str | None:
+    """The op family of a profiler event (None: counted inside another event)."""
+    if key.startswith("exact::"):
+        return {"exact::linear": FAMILIES[0], "exact::lm_head": FAMILIES[1], "exact::attention": FAMILIES[2]}.get(
+            key, FAMILIES[3])
+    if key in ("aten::mm", "aten::addmm", "aten::bmm"):
+        return FAMILIES[1] if any(len(s) == 2 and s[-1] > 10000 for s in (shapes or []) if s) else FAMILIES[0]
+    if "attention" in key:
+        return FAMILIES[2]
+    if key in ("aten::silu", "aten::rsqrt", "aten::pow", "aten::mean"):
+        return FAMILIES[3]
+    return FAMILIES[4]
+
+
 def profile_ops(fn, rounds: int = 3) -> dict[str, float]:
     """Milliseconds per call of fn by op family, from the PyTorch profiler's self CPU time."""
     from torch.profiler import profile
 
     fn()
-    with profile(record_shapes=True) as prof:
+    with labelled_exact_kernels(), profile(record_shapes=True) as prof:
         for _ in range(rounds):
             fn()
-    out: dict[str, float] = {"linear (GEMM)": 0.0, "LM head (GEMM)": 0.0, "attention": 0.0, "other": 0.0}
+    out = dict.fromkeys(FAMILIES, 0.0)
     for e in prof.key_averages(group_by_input_shape=True):
-        ms = e.self_cpu_time_total / 1000 / rounds
-        if e.key in ("aten::mm", "aten::addmm", "aten::bmm"):
-            lm_head = any(len(s) == 2 and s[-1] > 10000 for s in (e.input_shapes or []) if s)
-            out["LM head (GEMM)" if lm_head else "linear (GEMM)"] += ms
-        elif "attention" in e.key:
-            out["attention"] += ms
-        else:
-            out["other"] += ms
+        out[family(e.key, e.input_shapes)] += e.self_cpu_time_total / 1000 / rounds
     return {k: round(v, 2) for k, v in out.items()}
+
+
+def forwards(model, cache, n: int, fused: list[tuple[int, int]]) -> dict[str, tuple]:
+    """{name: (call, rows)} of the forwards this benchmark times, each leaving the cache at n + 1 positions."""
+    token = 42
+    reset = lambda: commit_cache(cache, n + 1)  # noqa: E731
+    calls = {f"ar {r} row{'s' if r > 1 else ''}": (lambda r=r: (model.verify(cache, [token] * r), reset()), r)
+             for r in (1, 2, 4, 8, 9, 16, 17, 32)}
+    parents = [-1, 0, 1, 2, 3, 4, 5, 6, 7, 0, 9, 10, 11]  # the 8-node chain and a 4-token branch beside it
+    calls["tree 13 rows"] = (lambda: (model.verify_tree(cache, [token] * 13, parents), reset()), 13)
+    calls[f"draft pass k={model.k}"] = (lambda: model.draft(cache, token, model.k), model.k)
+    for k, g in fused:
+        calls[f"fused k={k} groups={g}"] = (
+            lambda k=k, g=g: (model.draft_logits(model.verify_and_draft(cache, [token] * k, list(range(g)), k - 1)[1][0]),
+                              reset()), k + g * k)
+    return calls
 
 
 def main(argv=None) -> int:
@@ -63,50 +119,59 @@ def main(argv=None) -> int:
     ap.add_argument("--fused", default="4:2,4:4,8:8", help="fused settings as k:groups, comma-separated")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--attn", default="sdpa", help="kernels to measure side by side, comma-separated (e.g. sdpa,exact)")
     args = ap.parse_args(argv)
     try:
         if args.threads:
             torch.set_num_threads(args.threads)
         fused = [parse_fused(f) for f in args.fused.split(",") if f]
-        model = lossless.load_model(args.model, args.dtype)
+        kernels = list(dict.fromkeys(a for a in args.attn.split(",") if a))
+        models = {a: lossless.load_model(args.model, args.dtype, attn=a) for a in kernels}
     except LosslessError as exc:
         print(f"forward_cost: error: {exc}", file=sys.stderr)
         return 2
-    cache, _ = model.prefill([(7 * i) % 1000 + 100 for i in range(args.cache)])
-    n = cache.get_seq_length()
-    token = 42
-    calls = {f"ar {r} row{'s' if r > 1 else ''}": (lambda r=r: model.verify(cache, [token] * r), r)
-             for r in (1, 2, 4, 8, 16, 32)}
-    calls[f"draft pass k={model.k}"] = (lambda: model.draft(cache, token, model.k), model.k)
-    for k, g in fused:
-        calls[f"fused k={k} groups={g}"] = (
-            lambda k=k, g=g: model.verify_and_draft(cache, [token] * k, list(range(g)), k - 1), k + g * k)
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for name, (fn, _) in calls.items():  # warm-up
-        fn()
-        commit_cache(cache, n + 1)
-    for _ in range(args.rounds):
-        for name, (fn, _) in calls.items():
-            t = time.perf_counter()
+    prompt = [(7 * i) % 1000 + 100 for i in range(args.cache)]
+    setups = {}
+    for a, model in models.items():
+        cache, _ = model.prefill(prompt)
+        setups[a] = (model, cache, cache.get_seq_length())
+    calls = {a: forwards(model, cache, n, fused) for a, (model, cache, n) in setups.items()}
+    times: dict[tuple[str, str], list[float]] = {(a, name): [] for a in calls for name in calls[a]}
+    for a in calls:  # warm-up
+        for fn, _ in calls[a].values():
             fn()
-            times[name].append(time.perf_counter() - t)
-            commit_cache(cache, n + 1)
-    step = statistics.median(times["ar 1 row"])
-    summary = {name: {"rows": rows, "ms": round(1000 * statistics.median(times[name]), 2),
-                      "vs_step": round(statistics.median(times[name]) / step, 3)} for name, (_, rows) in calls.items()}
-    k0, g0 = fused[0] if fused else (4, 2)
-    breakdown = {
-        "step": profile_ops(lambda: (model.verify(cache, [token]), commit_cache(cache, n + 1))),
-        f"fused k={k0} groups={g0}": profile_ops(lambda: (model.verify_and_draft(cache, [token] * k0, list(range(g0)),
-                                                                                   k0 - 1), commit_cache(cache, n + 1))),
-    }
-    print(f"model={args.model} dtype={args.dtype} cache={n} rounds={args.rounds} threads={torch.get_num_threads()}")
-    print(f"{'forward':<26}{'rows':>6}{'ms':>9}{'x step':>9}")
-    for name, s in summary.items():
-        print(f"{name:<26}{s['rows']:>6}{s['ms']:>9.1f}{s['vs_step']:>9.2f}")
-    print("one forward by op (ms, profiler self time):")
-    for name, ops in breakdown.items():
-        print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in ops.items()))
+    for _ in range(args.rounds):
+        for a in calls:
+            for name, (fn, _) in calls[a].items():
+                t = time.perf_counter()
+                fn()
+                times[(a, name)].append(time.perf_counter() - t)
+    step = {a: statistics.median(times[(a, "ar 1 row")]) for a in calls}
+    summary = {a: {name: {"rows": rows, "ms": round(1000 * statistics.median(times[(a, name)]), 2),
+                          "vs_step": round(statistics.median(times[(a, name)]) / step[a], 3),
+                          f"vs_{kernels[0]}": round(statistics.median(times[(a, name)]) /
+                                                    statistics.median(times[(kernels[0], name)]), 3)}
+                   for name, (_, rows) in calls[a].items()} for a in calls}
+    first = next(iter(calls[kernels[0]]))
+    k0, g0 = fused[0] if fused else (None, None)
+    breakdown = {a: {"step": profile_ops(calls[a][first][0]), "verify 9 rows": profile_ops(calls[a]["ar 9 rows"][0]),
+                     **({f"fused k={k0} groups={g0}": profile_ops(calls[a][f"fused k={k0} groups={g0}"][0])} if fused
+                        else {})} for a in calls}
+    print(f"model={args.model} dtype={args.dtype} cache={args.cache} rounds={args.rounds} threads={torch.get_num_threads()}")
+    for a, model in models.items():
+        if model.exact_ops:
+            print(f"{a} kernels: {'; '.join(model.exact_ops)}")
+    print(f"{'forward':<24}{'rows':>5}" + "".join(f"{a + ' ms':>12}{'x step':>8}" for a in kernels)
+          + "".join(f"{a + '/' + kernels[0]:>14}" for a in kernels[1:]))
+    for name, (_, rows) in calls[kernels[0]].items():
+        print(f"{name:<24}{rows:>5}" + "".join(f"{summary[a][name]['ms']:>12.1f}{summary[a][name]['vs_step']:>8.2f}"
+                                               for a in kernels)
+              + "".join(f"{summary[a][name]['vs_' + kernels[0]]:>14.2f}" for a in kernels[1:]))
+    print("one forward by op family (ms, profiler self time):")
+    print(f"  {'kernel':<8}{'forward':<22}" + "".join(f"{f:>20}" for f in FAMILIES))
+    for a, parts in breakdown.items():
+        for name, ops in parts.items():
+            print(f"  {a:<8}{name:<22}" + "".join(f"{ops[f]:>20.1f}" for f in FAMILIES))
     print(json.dumps({"forwards": summary, "breakdown": breakdown}))
     return 0
 

@@ -133,8 +133,6 @@ BAD_INPUTS_BEFORE_LOADING = {
                                "greedy"),
     "generate tree fused": (lambda d, t: _gen("--model", d["model"], "--tree", "8", "--cycle", "fused", PROMPT),
                             "two-pass"),
-    "generate tree exact": (lambda d, t: _gen("--model", d["model"], "--tree", "8", "--attn", "exact", PROMPT),
-                            "exact"),
     "generate lookup sampling": (lambda d, t: _gen("--model", d["model"], "--lookup", "8", "--temperature", "0.7",
                                                    PROMPT), "greedy"),
     "generate groups zero": (lambda d, t: _gen("--model", d["model"], "--cycle", "fused", "--groups", "0", PROMPT),

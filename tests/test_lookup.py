@@ -13,7 +13,6 @@ from conftest import (NO_EOS, PROMPTS, ar_reference, assert_stops_at_length_and_
 from lossless import decoding
 from lossless.decoding import DecodeConfig, decode, lookup_proposal
 from lossless.errors import LosslessError
-from lossless.names import EXACT, check_tree
 from lossless.sampling import SamplingConfig
 
 N_NEW = 48
@@ -128,10 +127,7 @@ def test_bad_lookup_requests_are_refused(models, cfg, needle):
         decode(models["llama"][0], PROMPTS[0], "orthrus", cfg)
 
 
-def test_lookup_runs_in_exact_mode_but_a_tree_does_not_and_a_given_drafter_is_refused(models):
-    check_tree(0, "two-pass", True, EXACT, 16)
-    with pytest.raises(LosslessError, match="exact"):
-        check_tree(8, "two-pass", True, EXACT, 16)
+def test_a_tree_or_lookup_with_a_given_drafter_is_refused(models):
     with pytest.raises(LosslessError, match="drafter"):
         decode(models["llama"][0], PROMPTS[0], "orthrus", DecodeConfig(lookup=8),
                drafter=lambda model, state, k, sampling, generator: ([], None))

@@ -88,3 +88,15 @@ def test_the_wheel_refuses_training_prompts_from_the_default_suite(installed):
                  str(installed["work"] / "head"), "--prompts", str(prompts)], installed["work"], installed["env"],
                 ok=False)
     assert proc.returncode == 2 and "also appear in the audit suite" in proc.stderr, proc.stderr
+
+
+def test_the_wheel_decodes_in_exact_mode_with_its_own_kernel_source(installed):
+    """The kernels' C++ source ships in the wheel, and a wheel install builds and runs them (a tree with lookup
+    in exact mode: the same tokens as exact AR)."""
+    assert (installed["site"] / "lossless" / "exact_kernels.cpp").is_file()
+    ids = {}
+    for mode in (["--mode", "ar"], ["--tree", "8", "--lookup", "16"]):
+        proc = _run([str(installed["lossless"]), "generate", "--model", str(installed["model"]), "--attn", "exact",
+                     "--max-new-tokens", "12", "--json", *mode, "w1 w5 w9 w1 w5"], installed["work"], installed["env"])
+        ids[mode[0]] = json.loads(proc.stdout.splitlines()[-1])["token_ids"]
+    assert ids["--mode"] == ids["--tree"] and len(ids["--mode"]) == 12

@@ -6,10 +6,10 @@ one greedy trajectory, a `CandidateRun`. Built in:
 - `orthrus`: the two-pass Orthrus cycle with the model's draft head (the audit's original subject);
 - `orthrus-fused`: the fused cycle (one forward verifies a block and drafts the next);
 - `orthrus-tree`: the two-pass cycle verifying a tree of DEFAULT_TREE draft candidates (the top drafts and
-  their runners-up) in one forward (stock kernels only);
+  their runners-up) in one forward;
 - `orthrus-lookup`: the two-pass cycle with prompt lookup beside the drafts (DEFAULT_LOOKUP tokens copied
-  from earlier context; a match of two or more tokens is verified alone, without a draft pass; under exact
-  kernels the other cycles draft a plain chain);
+  from earlier context; a match of two or more tokens is verified alone, without a draft pass);
+- `orthrus-tree-lookup`: both, the library's fastest greedy cycle (`--tree --lookup`);
 - `oracle`: our decode loop with the reference trajectory itself as the drafter, so every draft is right
   and any divergence comes from verifying several tokens in one forward (runs under every kernel, exact
   mode included);
@@ -72,7 +72,6 @@ class Candidate:
     name: str
     run: Runner
     hf_generate: bool = False  # runs Hugging Face generate: stock kernels only
-    stock_only: bool = False  # needs stock kernels for another reason (a tree's attention mask)
 
 
 # ------------------------------------------------------------------------------------ decode-loop ones
@@ -99,6 +98,11 @@ def run_orthrus_tree(model, ids, cfg, reference):
 
 def run_orthrus_lookup(model, ids, cfg, reference):
     cfg = dataclasses.replace(cfg, cycle="two-pass", lookup=cfg.lookup or DEFAULT_LOOKUP)
+    return _from_state(decode(model, ids, "orthrus", cfg), "two-pass", block_size(model.k, cfg))
+
+
+def run_orthrus_tree_lookup(model, ids, cfg, reference):
+    cfg = dataclasses.replace(cfg, cycle="two-pass", tree=cfg.tree or DEFAULT_TREE, lookup=cfg.lookup or DEFAULT_LOOKUP)
     return _from_state(decode(model, ids, "orthrus", cfg), "two-pass", block_size(model.k, cfg))
 
 
@@ -164,8 +168,9 @@ def run_hf_greedy(model, ids, cfg, reference):
 BUILTIN = {
     "orthrus": Candidate("orthrus", run_orthrus),
     "orthrus-fused": Candidate("orthrus-fused", run_orthrus_fused),
-    "orthrus-tree": Candidate("orthrus-tree", run_orthrus_tree, stock_only=True),
+    "orthrus-tree": Candidate("orthrus-tree", run_orthrus_tree),
     "orthrus-lookup": Candidate("orthrus-lookup", run_orthrus_lookup),
+    "orthrus-tree-lookup": Candidate("orthrus-tree-lookup", run_orthrus_tree_lookup),
     "oracle": Candidate("oracle", run_oracle),
     "prompt-lookup": Candidate("prompt-lookup", run_prompt_lookup, hf_generate=True),
     "self-assisted": Candidate("self-assisted", run_self_assisted, hf_generate=True),
@@ -235,5 +240,3 @@ def check_kernel(name: str, attn: str) -> None:
     if attn == EXACT and candidate.hf_generate:
         raise LosslessError(f"candidate '{name}' runs Hugging Face generate, which cannot drive the exact kernels: "
                             f"audit it under sdpa or eager")
-    if attn == EXACT and candidate.stock_only:
-        raise LosslessError(f"candidate '{name}' verifies a tree, which exact mode does not: audit it under sdpa or eager")

@@ -67,7 +67,7 @@ def cmd_generate(args) -> int:
     _check_cycle_args(args)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.mode == "orthrus":
-        check_tree(args.tree, args.cycle, sampling.greedy, args.attn, args.lookup)
+        check_tree(args.tree, args.cycle, sampling.greedy, args.lookup)
     model = load_model(args.model, args.dtype, args.device, args.attn, head=args.head)
     stream = (lambda s: (sys.stdout.write(s), sys.stdout.flush())) if not args.json else None
     out = model.generate(args.prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, k=args.k,

@@ -26,7 +26,7 @@ from typing import Callable, Protocol
 import torch
 
 from .errors import LosslessError
-from .names import EXACT, check_cycle, check_mode, check_tree
+from .names import check_cycle, check_mode, check_tree
 from .sampling import SamplingConfig, argmax, sample
 
 
@@ -267,7 +267,7 @@ def validate(model: DecodingModel, prompt_ids: list[int], cfg: DecodeConfig, mod
     check_cycle(cfg.cycle)
     if cfg.groups is not None and cfg.groups < 1:
         raise LosslessError(f"--groups must be >= 1, got {cfg.groups}")
-    check_tree(cfg.tree, cfg.cycle, cfg.sampling.greedy, getattr(model, "attn", None), cfg.lookup)
+    check_tree(cfg.tree, cfg.cycle, cfg.sampling.greedy, cfg.lookup)
     k = block_size(model.k, cfg)
     if not 1 <= k <= model.k:
         raise LosslessError(f"--k must be between 1 and the head's k ({model.k}), got {k}")
@@ -428,13 +428,11 @@ def tree_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: i
 def lookup_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, generator) -> list[int]:
     """One greedy two-pass cycle with prompt lookup: if the context's last LOOKUP_ALONE or more tokens occurred
     earlier, verify what followed them (up to cfg.lookup tokens) in one forward, with no draft pass; otherwise
-    a draft cycle (the chain, or cfg.tree's tree) whose tree also holds up to LOOKUP_BESIDE looked-up tokens.
-    Exact-mode kernels verify chains only: there the draft cycle is the plain chain."""
+    a draft cycle (the chain, or cfg.tree's tree) whose tree also holds up to LOOKUP_BESIDE looked-up tokens."""
     proposal, matched = lookup_proposal(state.tokens, min(cfg.lookup, cfg.max_new_tokens - len(state.generated) - 1))
     if matched >= LOOKUP_ALONE:
         return orthrus_cycle(model, state, cfg, len(proposal) + 1, generator, drafter=lambda *_: (proposal, None))
-    beside = () if getattr(model, "attn", None) == EXACT else proposal[:LOOKUP_BESIDE]  # exact verifies chains only
-    return tree_cycle(model, state, cfg, k, generator, beside)
+    return tree_cycle(model, state, cfg, k, generator, proposal[:LOOKUP_BESIDE])
 
 
 def fused_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, generator,

@@ -165,9 +165,9 @@ class OrthrusLM(nn.Module):
         self.k, self.head_info, self.head_digest = int(info.k), info, digest
 
     # ------------------------------------------------------------------------------------------ kernels
-    def set_attn(self, attn: str, row_group: int | None = None) -> list[str]:
-        """Choose the kernels: "sdpa" or "eager" (stock), or "exact" (batch-invariant, CPU only; `row_group`
-        rows per GEMM, default `exact.default_row_group`). Returns what exact mode replaced ([] otherwise).
+    def set_attn(self, attn: str) -> list[str]:
+        """Choose the kernels: "sdpa" or "eager" (stock), or "exact" (batch-invariant, CPU only; see `exact`).
+        Returns what exact mode replaced ([] otherwise).
 
         Exact mode replaces module classes in place, so a model in exact mode stays there."""
         check_attn(attn)
@@ -176,7 +176,7 @@ class OrthrusLM(nn.Module):
         if attn == EXACT:
             exact.check_device(self.device)
             if self.attn != EXACT:
-                self.exact_ops = exact.make_batch_invariant(self.backbone, row_group or exact.default_row_group(self.dtype))
+                self.exact_ops = exact.make_batch_invariant(self.backbone)
         else:
             self.backbone.set_attn_implementation(attn)
         self.attn = attn
@@ -184,17 +184,14 @@ class OrthrusLM(nn.Module):
 
     # ---------------------------------------------------------------------------------------- forwards
     def new_cache(self) -> DynamicCache:
-        if self.attn == EXACT:  # keeps the layout the exact kernel reads up to date, position by position
-            return exact.exact_cache(self.config)
         return DynamicCache(config=self.config)
 
     def _lm_forward(self, ids: torch.Tensor, pos: int, cache: DynamicCache, last_only: bool = False) -> torch.Tensor:
         """AR view over `ids` [1, q] at positions pos..pos+q-1, appending to `cache`. Returns logits [q, V]
         (or [1, V] for the last position only, which spares a prefill the LM head on every row)."""
         position_ids = torch.arange(pos, pos + ids.shape[1], device=self.device).unsqueeze(0)
-        with exact.first_position(pos):
-            out = self.backbone(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True,
-                                logits_to_keep=1 if last_only else 0)
+        out = self.backbone(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True,
+                            logits_to_keep=1 if last_only else 0)
         return out.logits[0]
 
     @torch.no_grad()
@@ -245,9 +242,8 @@ class OrthrusLM(nn.Module):
         visible, depth = tree_visibility(parents, pos)
         position_ids = torch.tensor([[pos + d for d in depth]], device=self.device)
         mask = additive_mask(visible, self.dtype).to(self.device)
-        with exact.first_position(pos):
-            out = self.backbone.model(input_ids=torch.tensor([ids], device=self.device), position_ids=position_ids,
-                                      attention_mask=mask, cache=cache, use_cache=True)
+        out = self.backbone.model(input_ids=torch.tensor([ids], device=self.device), position_ids=position_ids,
+                                  attention_mask=mask, cache=cache, use_cache=True)
         return self.backbone.lm_head(out.last_hidden_state[0])
 
     @staticmethod
@@ -325,9 +321,8 @@ class OrthrusLM(nn.Module):
         verify_mask = additive_mask(causal, self.dtype).to(self.device)
         group_mask = additive_mask(block_visibility([pos + n for n in anchors], rows, pos + v), self.dtype)
         spec = DraftSpec(context_mask=group_mask.to(self.device), verify_rows=v, verify_mask=verify_mask)
-        with exact.first_position(pos):
-            out = self.backbone.model(inputs_embeds=embeds, position_ids=position_ids, attention_mask=verify_mask,
-                                      cache=cache, use_cache=True, orthrus_draft=spec)
+        out = self.backbone.model(inputs_embeds=embeds, position_ids=position_ids, attention_mask=verify_mask,
+                                  cache=cache, use_cache=True, orthrus_draft=spec)
         hidden = out.last_hidden_state[0]  # [v + g*rows, d]
         assert cache.get_seq_length() == pos + v, "a fused forward writes exactly its verify rows"
         return self.backbone.lm_head(hidden[:v]), hidden[v:].reshape(g, rows, hidden.shape[-1])[:, 1:]

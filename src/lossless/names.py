@@ -35,10 +35,9 @@ DEFAULT_TREE = 8
 DEFAULT_LOOKUP = 16
 
 
-def check_tree(tree: int, cycle: str, greedy: bool, attn: str | None, lookup: int = 0) -> None:
+def check_tree(tree: int, cycle: str, greedy: bool, lookup: int = 0) -> None:
     """A candidate tree (`tree` nodes, 0 = none) runs in the two-pass cycle, prompt lookup (`lookup` tokens,
-    0 = none) in either cycle, both greedy; the tree on stock kernels only (exact mode verifies chains, and
-    so verifies a lookup on its own but never beside a tree)."""
+    0 = none) in either cycle, both greedy; both on any kernel, exact mode included."""
     for flag, value in (("--tree", tree), ("--lookup", lookup)):
         if not value:
             continue
@@ -48,8 +47,6 @@ def check_tree(tree: int, cycle: str, greedy: bool, attn: str | None, lookup: in
             raise LosslessError(f"{flag} works with the two-pass cycle; drop {flag} or --cycle fused")
         if not greedy:
             raise LosslessError(f"{flag} works with greedy decoding; drop {flag} or --temperature")
-    if tree and attn == EXACT:
-        raise LosslessError("--tree runs on stock kernels; exact mode verifies chains: drop --tree or --attn exact")
 
 
 def check_attn(attn: str) -> str:

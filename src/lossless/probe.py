@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import LosslessError
-from .exact import first_position
 from .model import OrthrusLM
 
 
@@ -172,12 +171,8 @@ def probe(model: OrthrusLM, ids: list[int], k: int = 8) -> ProbeResult:
         op = OpDiff(name, a.numel(), int((a != b).sum()), float(diff.max()) if diff.numel() else 0.0)
         if isinstance(modules[name], torch.nn.Linear) and name in block_rec.inp:
             x = block_rec.inp[name][0]  # [1, k, in]
-            with first_position(len(prefix)):  # the rows' absolute positions, as in verify and step
-                together = modules[name](x)
-            alone = []
-            for j in range(x.shape[1]):
-                with first_position(len(prefix) + j):
-                    alone.append(modules[name](x[:, j:j + 1]))
+            together = modules[name](x)
+            alone = [modules[name](x[:, j:j + 1]) for j in range(x.shape[1])]
             op.isolated_n_diff = int((together != torch.cat(alone, dim=1)).sum())
         result.ops.append(op)
     return result

@@ -68,6 +68,17 @@ def levenshtein(a: Sequence[int], b: Sequence[int]) -> int:
     return prev[-1]
 
 
+def bootstrap_mean(values: Sequence[float], n_boot: int = 2000, seed: int = 0) -> dict:
+    """Percentile bootstrap of the mean of per-item values: {"mean": ..., "ci95": [lo, hi]}."""
+    d = np.asarray(values, dtype=float)
+    if d.ndim != 1 or d.size == 0:
+        raise ValueError(f"bootstrap_mean needs a 1-D sequence of at least one value, got shape {d.shape}")
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, d.size, size=(n_boot, d.size))].mean(axis=1)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return {"mean": float(d.mean()), "ci95": [float(lo), float(hi)]}
+
+
 def paired_bootstrap(a: Sequence[float], b: Sequence[float], n_boot: int = 2000, seed: int = 0) -> dict:
     """Percentile bootstrap of mean(b) - mean(a) for paired per-item scores (items resampled jointly)."""
     x = np.asarray(a, dtype=float)
@@ -76,12 +87,8 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float], n_boot: int = 2000,
         raise ValueError(f"paired scores must be two 1-D sequences of equal length, got {x.shape} and {y.shape}")
     if x.size == 0:
         raise ValueError("paired_bootstrap needs at least one item")
-    d = y - x
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, d.size, size=(n_boot, d.size))
-    means = d[idx].mean(axis=1)
-    lo, hi = np.percentile(means, [2.5, 97.5])
-    return {"diff": float(d.mean()), "ci95": [float(lo), float(hi)]}
+    out = bootstrap_mean(y - x, n_boot, seed)
+    return {"diff": out["mean"], "ci95": out["ci95"]}
 
 
 # --- logistic regression -------------------------------------------------------------------------

@@ -1,0 +1,105 @@
+"""The compiled batch-invariant kernels of exact mode (`exact_kernels.cpp`): build, cache, call.
+
+`linear`, `attention`, `rms_norm` and `silu` compute every output element by one fixed sequence of IEEE
+operations that depends only on the inputs it reads (see the C++ file's header), so a row's result cannot
+depend on how many rows share a call, where it sits among them, the thread count or the CPU's vector width.
+
+The extension is compiled on first use with the machine's C++ compiler (torch's JIT extension builder)
+and cached under `$LOSSLESS_CACHE/kernels/<hash>`: the hash covers the source, the flags, the CPU and the
+torch version, so a cache never serves a build made for something else. This module knows tensors only;
+which modules call these kernels is `exact.py`'s business.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from .errors import LosslessError
+
+SOURCE = Path(__file__).with_name("exact_kernels.cpp")
+# -ffp-contract=off: no multiply-add is fused behind our back (only the explicit fmaf calls); no -ffast-math,
+# so nothing is reassociated. -march=native only changes how wide the lane loops run, never a result.
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+
+
+def _build_key() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    cpu = ""
+    try:
+        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        pass
+    for part in (" ".join(CFLAGS), torch.__version__, platform.machine(), cpu):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    from .models import cache_dir
+
+    return cache_dir() / "kernels" / _build_key()
+
+
+@lru_cache(maxsize=1)
+def ops():
+    """The compiled extension (built once per machine and source, then loaded from the cache)."""
+    from torch.utils import cpp_extension
+
+    # the build runs ninja; the one pip installed beside this interpreter counts even if its folder is not on PATH
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    where = build_dir()
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(name=f"lossless_exact_{where.name}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                                  extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
+    except (OSError, RuntimeError, ImportError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise LosslessError(f"exact mode could not build its CPU kernels in {where} ({first[:160]}); it needs "
+                            f"g++ and a writable $LOSSLESS_CACHE, or use --attn sdpa") from None
+
+
+PANEL = 16  # outputs per weight panel: the kernels' lane count
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [n, k] -> panels [ceil(n / 16), k, 16] (outputs past n are zeros), the layout `linear` reads:
+    one input's 16 weights side by side, so each output is one fma chain over its inputs in order."""
+    n, k = weight.shape
+    padded = torch.zeros((n + PANEL - 1) // PANEL * PANEL, k, dtype=weight.dtype, device=weight.device)
+    padded[:n] = weight.detach()
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., k] times the weight [n, k] that `pack_weight` packed, transposed (+ bias [n]) -> [..., n]."""
+    out = ops().linear(x.reshape(-1, x.shape[-1]).contiguous(), packed, int(n),
+                       None if bias is None else bias.contiguous())
+    return out.reshape(*x.shape[:-1], n)
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
+              scaling: float) -> torch.Tensor:
+    """query [q, h, d], key/value [kv, n, d], visible [q, n] bool -> [q, h, d]: each row's softmax attention
+    over the keys it may see, in key order (a row that sees nothing gets zeros)."""
+    return ops().attention(query.contiguous(), key.contiguous(), value.contiguous(), visible.contiguous(),
+                           float(scaling))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the Llama/Qwen kind over the last dim: weight * (x / sqrt(mean(x^2) + eps)) cast to x's dtype."""
+    out = ops().rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), float(eps))
+    return out.reshape(x.shape)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return ops().silu(x.contiguous())
+
