@@ -235,8 +235,7 @@ def test_exact_mode_reports_what_it_replaced():
     replaced = model.set_attn("exact")
     assert replaced[0] == "attention" and model.exact_ops == replaced and model.attn == "exact"
     linears = [r for r in replaced if r.startswith("linear ")]
-    # every linear layer of the AR view (the draft view's own projections only propose: stock kernels)
-    n_linear = sum(isinstance(m, torch.nn.Linear) and "_diff" not in name for name, m in model.backbone.named_modules())
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.backbone.modules())
     assert sum(int(r.split(" x", 1)[1].split()[0]) for r in linears) == n_linear
     assert all(r.endswith("(fixed-order kernel)") for r in linears)
     # 2 norms per layer + the final norm, 1 activation per layer, the rotary embedding
@@ -314,6 +313,9 @@ def test_packed_weights_follow_a_changed_weight():
     assert torch.allclose(lin(x), 2 * first - lin.bias, atol=1e-4)
     with stock_kernels():
         assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+    # a forward autograd must see (a training step of the head) takes the stock path, gradients included
+    lin(x).sum().backward()
+    assert lin.weight.grad is not None and torch.allclose(lin.weight.grad, x[0].sum(0).expand(80, 48))
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -21,9 +21,11 @@ of a kind the kernels do not cover (a norm or activation of another family, a ro
 sequence length) falls back to one stock call per token row (`RowwiseMixin`, `RotaryRowsMixin`): exact,
 because a single row is the very call a decoding step makes, but slower.
 
-Passes that need no invariance run stock kernels inside `stock_kernels()`: a prefill, which AR and
-Orthrus run identically; the draft view, which only proposes tokens (the verify pass decides what is
-committed); teacher-forced scoring.
+Passes that need no invariance run stock kernels inside `stock_kernels()`: a prefill, which AR and Orthrus
+run identically, and teacher-forced scoring (long sequences, where the stock GEMMs are faster). A forward
+that needs gradients (a training step of the draft head) takes the stock path too: the kernels have no
+backward. The draft view's decoding passes run the exact kernels; they only propose tokens, so any kernel
+would do, and on the CPUs measured these are the faster ones for a few rows.
 
 This module does not know decoding; it only swaps module classes and registers the attention kernel.
 """
@@ -103,6 +105,12 @@ def cpu_multiplies_natively(dtype: torch.dtype) -> bool:
 _STOCK: ContextVar[bool] = ContextVar("lossless_stock_kernels", default=False)
 
 
+def _stock(x: torch.Tensor, *params) -> bool:
+    """Whether this call takes the stock path: inside `stock_kernels()`, or when autograd must see it."""
+    return _STOCK.get() or (torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad
+                                                                                for p in params)))
+
+
 @contextmanager
 def stock_kernels():
     """Within this block exact mode's kernels take the stock path, for passes that need no invariance:
@@ -121,7 +129,7 @@ class PackedLinearMixin:
     weight tensor changes (a loaded head, a training step)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _STOCK.get():
+        if _stock(x, self.weight, self.bias):
             return F.linear(x, self.weight, self.bias)
         w = self.weight
         stamp = (w.data_ptr(), w._version, w.dtype)
@@ -135,7 +143,7 @@ class NormMixin:
     `kernels.rms_norm`: the mean of squares in a fixed order, one row at a time."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _STOCK.get():
+        if _stock(x, self.weight):
             return super().forward(x)
         return kernels.rms_norm(x, self.weight, self.variance_epsilon)
 
@@ -144,7 +152,7 @@ class SiluMixin:
     """SiLU through `kernels.silu`: a fixed exp, the same bits for an element wherever it sits in the tensor."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _STOCK.get():
+        if _stock(x):
             return super().forward(x)
         return kernels.silu(x)
 
@@ -227,14 +235,14 @@ def _is_silu(module: torch.nn.Module) -> bool:
 
 def make_batch_invariant(backbone: torch.nn.Module) -> list[str]:
     """Install exact mode on a backbone in place: the "exact" attention kernel and the kernels of
-    `kernels.py` for every linear layer, RMSNorm and SiLU of the AR view, the rotary table (and the per-row
+    `kernels.py` for every linear layer, RMSNorm and SiLU, the rotary table (and the per-row
     fallback for anything else). Returns what was replaced, e.g. "linear 576->192 x60 (fixed-order kernel)"."""
     kernels.ops()  # build (or load) the kernels now: a missing compiler is an error before any work
     register_exact()
     backbone.set_attn_implementation(EXACT)
     linears: dict[tuple[int, int], int] = {}
-    for name, sub in backbone.named_modules():
-        if isinstance(sub, torch.nn.Linear) and "_diff" not in name:  # the draft view's own layers only propose
+    for sub in backbone.modules():
+        if isinstance(sub, torch.nn.Linear):
             _swap_class(sub, PackedLinearMixin)
             linears[(sub.in_features, sub.out_features)] = linears.get((sub.in_features, sub.out_features), 0) + 1
     counts: dict[str, int] = {}

@@ -272,17 +272,16 @@ class OrthrusLM(nn.Module):
 
     def draft_hidden(self, embeds: torch.Tensor, position_ids: torch.Tensor, cache=None,
                      spec: DraftSpec | None = None) -> torch.Tensor:
-        """Draft view over block embeddings [1, q, d] at `position_ids` [1, q]. Returns logits [q, V].
-        Drafts only propose, so they run on stock kernels even in exact mode."""
+        """Draft view over block embeddings [1, q, d] at `position_ids` [1, q]. Returns logits [q, V]."""
         return self.draft_logits(self.draft_states(embeds, position_ids, cache, spec))
 
     def draft_states(self, embeds: torch.Tensor, position_ids: torch.Tensor, cache=None,
                      spec: DraftSpec | None = None) -> torch.Tensor:
         """The draft view's last hidden states [q, d] (before the LM head), for callers that need logits on
-        some rows only (training)."""
-        with exact.stock_kernels():
-            out = self.backbone.model(inputs_embeds=embeds, position_ids=position_ids, cache=cache, use_cache=False,
-                                      orthrus_draft=spec or DraftSpec())
+        some rows only (training). In exact mode a decoding draft runs the exact kernels (here faster than the
+        stock ones, and any kernel may propose); a training step, which needs gradients, the stock ones."""
+        out = self.backbone.model(inputs_embeds=embeds, position_ids=position_ids, cache=cache, use_cache=False,
+                                  orthrus_draft=spec or DraftSpec())
         return out.last_hidden_state[0]
 
     @torch.no_grad()
@@ -328,10 +327,8 @@ class OrthrusLM(nn.Module):
         return self.backbone.lm_head(hidden[:v]), hidden[v:].reshape(g, rows, hidden.shape[-1])[:, 1:]
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head over draft rows: hidden [m, d] -> logits [m, V]. Drafts only propose, so stock kernels
-        serve them even in exact mode."""
-        with exact.stock_kernels():
-            return self.backbone.lm_head(hidden)
+        """LM head over draft rows: hidden [m, d] -> logits [m, V]."""
+        return self.backbone.lm_head(hidden)
 
     # ------------------------------------------------------------------------------------------ generate
     def generate(self, prompt: str | list[int], mode: str = "orthrus", *, max_new_tokens: int = 128,
