@@ -255,6 +255,14 @@ def test_generate_with_tree_and_lookup_equals_ar(dirs, capsys):
     fused = _generate_json(capsys, "--model", dirs["model"], "--cycle", "fused", "--lookup", "--max-new-tokens", "24",
                            PROMPT)
     assert fused["token_ids"] == ar["token_ids"]
+    # the README's form: bare --tree --lookup right before the prompt (neither option swallows it)
+    readme = _generate_json(capsys, "--model", dirs["model"], "--max-new-tokens", "24", "--tree", "--lookup",
+                            PROMPT)
+    assert readme["token_ids"] == ar["token_ids"] and readme["prompt_tokens"] == both["prompt_tokens"]
+    numbered = _generate_json(capsys, "--model", dirs["model"], "--max-new-tokens", "24", "--tree", "4", "--lookup", "8",
+                              "--attn", "exact", PROMPT)
+    assert numbered["token_ids"] == _generate_json(capsys, "--model", dirs["model"], "--mode", "ar", "--attn", "exact",
+                                                   "--max-new-tokens", "24", PROMPT)["token_ids"]
 
 
 def test_generate_json_with_sampling_is_reproducible(dirs, capsys):

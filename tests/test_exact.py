@@ -335,3 +335,24 @@ def test_exact_mode_covers_verify_blocks_of_a_loaded_head_with_large_k(tmp_path,
         assert torch.equal(block, single), prefix_len
     cfg = DecodeConfig(max_new_tokens=60, eos_ids=NO_EOS)
     assert decode(model, ids[:5], "orthrus", cfg).generated == decode(model, ids[:5], "ar", cfg).generated
+
+
+@pytest.mark.skipif(not kernels.cpu_has("avx512f") or __import__("platform").machine() != "x86_64",
+                    reason="compares this CPU's AVX-512 build with an AVX2 build")
+def test_the_avx2_build_gives_the_same_bits_as_the_native_one():
+    """Exact mode's numbers do not depend on the CPU's vector width: the kernels built for AVX2 only (two 8-lane
+    registers per 16 lanes, bf16 pairs by two fmas instead of the AVX-512 BF16 instruction) give the bits the
+    native build gives, for every kernel and dtype, so exact-mode trajectories are the same on both machines."""
+    avx2 = kernels.build(["-O3", "-march=x86-64-v3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"])
+    native = kernels.ops()
+    g = torch.Generator().manual_seed(0)
+    for dtype in DTYPES:
+        x, w = torch.randn(9, 301, generator=g).to(dtype), torch.randn(70, 301, generator=g).to(dtype)
+        packed, bias = kernels.pack_weight(w), torch.randn(70, generator=g).to(dtype)
+        assert torch.equal(avx2.linear(x, packed, 70, bias), native.linear(x, packed, 70, bias))
+        q, k, v = (torch.randn(*s, generator=g).to(dtype) for s in ((9, 6, 40), (2, 70, 40), (2, 70, 40)))
+        visible = torch.rand(9, 70, generator=g) < 0.7
+        assert torch.equal(avx2.attention(q, k, v, visible, 0.2), native.attention(q, k, v, visible, 0.2))
+        norm = torch.randn(301, generator=g).to(dtype)
+        assert torch.equal(avx2.rms_norm(x, norm, 1e-5), native.rms_norm(x, norm, 1e-5))
+        assert torch.equal(avx2.silu(x * 8), native.silu(x * 8))

@@ -440,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cycle_args(a)
     a.add_argument("--candidates", default="orthrus",
                    help="comma-separated decoders compared with AR: orthrus, orthrus-fused, orthrus-tree, orthrus-lookup "
-                        "(prompt lookup beside the drafts), oracle (the reference "
+                        "(prompt lookup beside the drafts), orthrus-tree-lookup (both), oracle (the reference "
                         "as drafter), prompt-lookup, self-assisted, hf-greedy, or module:function (a callable "
                         "(model, prompt_ids, max_new_tokens) -> token ids); --cycle fused turns orthrus into "
                         "orthrus-fused")
@@ -487,10 +487,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# options whose number may be left out; argparse would take the word after a bare one (the prompt) as its value
+OPTIONAL_NUMBERS = {"--tree": DEFAULT_TREE, "--lookup": DEFAULT_LOOKUP}
+
+
+def with_optional_numbers(argv: list[str]) -> list[str]:
+    """`--tree "Summarise: ..."` -> `--tree 8 "Summarise: ..."`: a bare optional-number option gets its default
+    spelled out when the next word is not a number, so it never swallows the prompt."""
+    out = []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        if arg in OPTIONAL_NUMBERS and i + 1 < len(argv) and not argv[i + 1].lstrip("-").isdigit() \
+                and not argv[i + 1].startswith("-"):
+            out.append(str(OPTIONAL_NUMBERS[arg]))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # what the user typed, for run records
+    typed = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(with_optional_numbers(typed))
+    args.argv = typed  # what the user typed, for run records
     try:
         return int(args.func(args) or 0)
     except LosslessError as exc:

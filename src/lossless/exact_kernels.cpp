@@ -7,9 +7,9 @@
 //
 // How: every output is one chain of operations in a fixed order. A linear output is one fma chain over its
 // inputs in order (weights packed in panels of 16 outputs, so 16 chains advance side by side in one vector);
-// a dot product of attention or a norm's sum of squares runs over a logical 16-lane accumulator (lane l takes
-// elements l, l+16, ..., the lanes then added in a fixed tree), elements past the end counting as zeros; exp
-// is our own polynomial. `V16` does every lane operation correctly rounded (fma included) whether it maps to
+// an attention score is one fma chain over the head dim (16 keys side by side); a sum over keys or a norm's
+// sum of squares runs over a logical 16-lane accumulator (lane l takes elements l, l+16, ..., the lanes then
+// added in a fixed tree), elements past the end counting as zeros; exp is our own polynomial. `V16` does every lane operation correctly rounded (fma included) whether it maps to
 // one AVX-512 register, two AVX2 registers or a plain loop, and the file is built with -ffp-contract=off and
 // without -ffast-math (no reassociation, no fused multiply-add but the explicit ones), so the same numbers
 // come out on any CPU with fma; blocking and threading only decide which chains advance together.
@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -75,6 +76,23 @@ struct V16 {
   V16 fma(V16 a, V16 b) const { V16 r; for (int l = 0; l < LANES; ++l) r.v[l] = std::fmaf(a.v[l], b.v[l], v[l]); return r; }
   void store(float* p) const { for (int l = 0; l < LANES; ++l) p[l] = v[l]; }
 #endif
+  // Pairs: 16 lanes of (bf16 even, bf16 odd) packed in uint32s (the even one in the low half). this + the odd
+  // products, then + the even ones, each an fma (a bf16 x bf16 product is exact in fp32): what the AVX-512
+  // BF16 dot-product instruction computes, lane by lane, so both ways give the same bits.
+  V16 dot_pairs(uint32_t xpair, const uint32_t* wpairs) const {
+#if defined(__AVX512BF16__)
+    return {_mm512_dpbf16_ps(v, (__m512bh)_mm512_set1_epi32(static_cast<int>(xpair)),
+                             (__m512bh)_mm512_loadu_si512(wpairs))};
+#else
+    float even[LANES], odd[LANES];
+    for (int64_t l = 0; l < LANES; ++l) {
+      even[l] = __builtin_bit_cast(float, wpairs[l] << 16);
+      odd[l] = __builtin_bit_cast(float, wpairs[l] & 0xFFFF0000u);
+    }
+    const float xe = __builtin_bit_cast(float, xpair << 16), xo = __builtin_bit_cast(float, xpair & 0xFFFF0000u);
+    return fma(splat(xo), load(static_cast<const float*>(odd))).fma(splat(xe), load(static_cast<const float*>(even)));
+#endif
+  }
   // lanes 0..n-1 from p, zeros after (n < LANES): the tail of a row, as if it were zero-padded
   template <typename T> static V16 load_partial(const T* p, int64_t n) {
     float buf[LANES];
@@ -103,7 +121,8 @@ inline float tree16(const V16& x) {
 inline float exp_fixed(float x) {
   const float hi = 88.0f, lo = -87.0f;
   float xc = x > hi ? hi : (x < lo ? lo : x);
-  float n = std::nearbyint(xc * 1.44269504088896341f);
+  const float round = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer (even)
+  float n = (xc * 1.44269504088896341f + round) - round;
   float r = std::fmaf(-n, 0.693145751953125f, xc);  // ln2 split in two: the first part is exact in n * hi
   r = std::fmaf(-n, 1.42860682030941723212e-6f, r);
   float p = 1.98412698412698413e-4f;  // 1/7!
@@ -114,36 +133,68 @@ inline float exp_fixed(float x) {
   p = std::fmaf(p, r, 0.5f);
   p = std::fmaf(p, r, 1.0f);
   p = std::fmaf(p, r, 1.0f);
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
+  const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
   float y = p * scale;
   return x > hi ? INFINITY : (x < lo ? 0.0f : y);
 }
 
-// The linear layer. Weights are packed once (`pack_weight` in kernels.py) into panels of 16 outputs,
-// [panels, k, 16]: panel p holds outputs 16p..16p+15, input by input. Output o of row r is then
+// The linear layer. Weights are packed once (`pack_weight` in kernels.py) into panels of 16 outputs: panel p
+// holds outputs 16p..16p+15, input by input, [panels, k, 16]; in bf16 two inputs at a time, [panels, k/2, 16, 2]
+// (k padded to even with zeros). Output o of row r is then one chain in input order:
 //   acc = 0; for i in 0..k-1: acc = fma(x[r][i], w[o][i], acc)
-// one chain in input order, never split, never reassociated, whatever the blocking below does; the blocks of
-// RB rows x JB panels only decide which chains advance together (so weights are read once per RB rows).
+// in bf16: for each pair i: acc = fma(x[2i+1], w[2i+1], acc); acc = fma(x[2i], w[2i], acc)
+// never split, never reassociated, whatever the blocking below does; the blocks of RB rows x JB panels only
+// decide which chains advance together (so weights are read once per RB rows).
 #if defined(__AVX512F__)
 constexpr int RB = 4, JB = 4;  // 16 accumulators + 4 weight vectors + 1 broadcast of the 32 registers
 #else
 constexpr int RB = 4, JB = 2;  // AVX2: 16 registers, two per accumulator
 #endif
 
+template <typename T> constexpr bool PAIRED = std::is_same_v<T, at::BFloat16>;
+
+// x rows as the kernel reads them: fp32 [m, k], or bf16 pairs as uint32 [m, ceil(k/2)]
+template <typename T>
+struct Rows {
+  std::vector<float> f;
+  std::vector<uint32_t> pairs;
+  int64_t steps;  // chain steps per output: k, or ceil(k / 2) pairs
+  Rows(const T* x, int64_t m, int64_t k) {
+    if constexpr (PAIRED<T>) {
+      steps = (k + 1) / 2;
+      pairs.assign(static_cast<size_t>(m * steps), 0u);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t i = 0; i < k; ++i)
+          pairs[r * steps + i / 2] |= static_cast<uint32_t>(x[r * k + i].x) << (16 * (i % 2));
+    } else {
+      steps = k;
+      f.resize(static_cast<size_t>(m * k));
+      for (int64_t i = 0; i < m * k; ++i) f[i] = to_float(x[i]);
+    }
+  }
+};
+
 template <int R, int J, typename T>
-inline void panel_block(const float* xf, int64_t k, const T* panels, int64_t n, int64_t p0, T* out, int64_t ldo,
+inline void panel_block(const Rows<T>& x, int64_t r0, const T* panels, int64_t n, int64_t p0, T* out,
                         const T* bias) {
+  const int64_t steps = x.steps;
   V16 acc[R][J];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) acc[r][j] = V16::zero();
-  for (int64_t i = 0; i < k; ++i) {
-    V16 w[J];
-    for (int j = 0; j < J; ++j) w[j] = V16::load(panels + ((p0 + j) * k + i) * LANES);
-    for (int r = 0; r < R; ++r) {
-      const V16 xb = V16::splat(xf[r * k + i]);
-      for (int j = 0; j < J; ++j) acc[r][j] = acc[r][j].fma(xb, w[j]);
+  for (int64_t i = 0; i < steps; ++i) {
+    if constexpr (PAIRED<T>) {
+      const uint32_t* w = reinterpret_cast<const uint32_t*>(panels) + (p0 * steps + i) * LANES;
+      for (int r = 0; r < R; ++r) {
+        const uint32_t xr = x.pairs[(r0 + r) * steps + i];
+        for (int j = 0; j < J; ++j) acc[r][j] = acc[r][j].dot_pairs(xr, w + j * steps * LANES);
+      }
+    } else {
+      V16 w[J];
+      for (int j = 0; j < J; ++j) w[j] = V16::load(panels + ((p0 + j) * steps + i) * LANES);
+      for (int r = 0; r < R; ++r) {
+        const V16 xb = V16::splat(x.f[(r0 + r) * steps + i]);
+        for (int j = 0; j < J; ++j) acc[r][j] = acc[r][j].fma(xb, w[j]);
+      }
     }
   }
   float buf[LANES];
@@ -152,86 +203,108 @@ inline void panel_block(const float* xf, int64_t k, const T* panels, int64_t n, 
       acc[r][j].store(buf);
       for (int64_t l = 0; l < LANES; ++l) {
         const int64_t o = (p0 + j) * LANES + l;
-        if (o < n) out[r * ldo + o] = from_float<T>(bias ? buf[l] + to_float(bias[o]) : buf[l]);
+        if (o < n) out[(r0 + r) * n + o] = from_float<T>(bias ? buf[l] + to_float(bias[o]) : buf[l]);
       }
     }
 }
 
-// rows r0.. (fewer than RB) through panels p..p+J-1, dispatched to a block of exactly that many rows
+// rows r.. (fewer than RB) through panels p..p+J-1, dispatched to a block of exactly that many rows
 template <int J, typename T>
-inline void panel_tail(int rows, const float* xf, int64_t k, const T* panels, int64_t n, int64_t p, T* out,
+inline void panel_tail(int rows, const Rows<T>& x, int64_t r, const T* panels, int64_t n, int64_t p, T* out,
                        const T* bias) {
   switch (rows) {
-    case 1: panel_block<1, J>(xf, k, panels, n, p, out, n, bias); break;
-    case 2: panel_block<2, J>(xf, k, panels, n, p, out, n, bias); break;
-    case 3: panel_block<3, J>(xf, k, panels, n, p, out, n, bias); break;
+    case 1: panel_block<1, J>(x, r, panels, n, p, out, bias); break;
+    case 2: panel_block<2, J>(x, r, panels, n, p, out, bias); break;
+    case 3: panel_block<3, J>(x, r, panels, n, p, out, bias); break;
     default: TORCH_CHECK(rows == 0, "panel_tail: rows");
   }
 }
 
 template <int J, typename T>
-inline void panel_all_rows(const float* xf, int64_t m, int64_t k, const T* panels, int64_t n, int64_t p, T* out,
-                           const T* bias) {
+inline void panel_all_rows(const Rows<T>& x, int64_t m, const T* panels, int64_t n, int64_t p, T* out, const T* bias) {
   // every row block reads these J panels while they sit in L2: the weights leave memory once per call
   int64_t r = 0;
-  for (; r + RB <= m; r += RB) panel_block<RB, J>(xf + r * k, k, panels, n, p, out + r * n, n, bias);
-  panel_tail<J>(static_cast<int>(m - r), xf + r * k, k, panels, n, p, out + r * n, bias);
+  for (; r + RB <= m; r += RB) panel_block<RB, J>(x, r, panels, n, p, out, bias);
+  panel_tail<J>(static_cast<int>(m - r), x, r, panels, n, p, out, bias);
 }
 
 template <typename T>
 void linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
                  at::Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
-  std::vector<float> xf(static_cast<size_t>(m * k));
-  const T* xp = x.data_ptr<T>();
-  for (int64_t i = 0; i < m * k; ++i) xf[i] = to_float(xp[i]);
+  const Rows<T> rows(x.data_ptr<T>(), m, k);
+  TORCH_CHECK(packed.numel() == panels * rows.steps * LANES * (PAIRED<T> ? 2 : 1),
+              "linear: the packed weight does not match x (pack it with kernels.pack_weight)");
   const T* wp = packed.data_ptr<T>();
   const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
   T* op = out.data_ptr<T>();
   at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
     int64_t p = p0;
-    for (; p + JB <= p1; p += JB) panel_all_rows<JB>(xf.data(), m, k, wp, n, p, op, bp);
-    for (; p < p1; ++p) panel_all_rows<1>(xf.data(), m, k, wp, n, p, op, bp);
+    for (; p + JB <= p1; p += JB) panel_all_rows<JB>(rows, m, wp, n, p, op, bp);
+    for (; p < p1; ++p) panel_all_rows<1>(rows, m, wp, n, p, op, bp);
   });
 }
 
-// query [q, h, d], key/value [kv, n, d], visible [q, n] (bool) -> out [q, h, d]; softmax(q.k * scaling) . v
-// over the keys each row may see, in key order. Head hh reads kv head hh / (h / kv).
+// B consecutive key tiles ([B, d, 16] floats) against one query: 16 * B scores, each one fma chain over d
+template <int B>
+inline void score_tiles(const float* qf, int64_t d, const float* tiles, float* out) {
+  V16 acc[B];
+  for (int b = 0; b < B; ++b) acc[b] = V16::zero();
+  for (int64_t t = 0; t < d; ++t) {
+    const V16 qt = V16::splat(qf[t]);
+    for (int b = 0; b < B; ++b) acc[b] = acc[b].fma(qt, V16::load(tiles + (b * d + t) * LANES));
+  }
+  for (int b = 0; b < B; ++b) acc[b].store(out + b * LANES);
+}
+
 template <typename T>
 void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& visible,
                     double scaling, at::Tensor& out) {
   const int64_t q = query.size(0), h = query.size(1), d = query.size(2), kvh = key.size(0), n = key.size(1);
-  const int64_t groups = h / kvh, dp = (d + LANES - 1) / LANES * LANES;
+  const int64_t groups = h / kvh, dp = (d + LANES - 1) / LANES * LANES, tiles = (n + LANES - 1) / LANES;
   const T* qp = query.data_ptr<T>();
   const T* kp = key.data_ptr<T>();
   const T* vp = value.data_ptr<T>();
   const bool* mp = visible.data_ptr<bool>();
   T* op = out.data_ptr<T>();
   const float scale = static_cast<float>(scaling);
+  std::vector<float> kt(static_cast<size_t>(kvh * tiles * d * LANES), 0.0f);
+  at::parallel_for(0, kvh * tiles, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t kv = b / tiles, tile = b % tiles;
+      for (int64_t l = 0; l < LANES && tile * LANES + l < n; ++l) {
+        const T* kj = kp + (kv * n + tile * LANES + l) * d;
+        for (int64_t t = 0; t < d; ++t) kt[(b * d + t) * LANES + l] = to_float(kj[t]);
+      }
+    }
+  });
   at::parallel_for(0, q * h, 1, [&](int64_t a0, int64_t a1) {
-    std::vector<float> qf(dp), kf(dp), scores, acc(dp);
+    std::vector<float> all(static_cast<size_t>(tiles * LANES)), scores, acc(dp), qf(d);
     std::vector<int64_t> keys;
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t row = a / h, head = a % h, kv = head / groups;
+      const T* qr = qp + (row * h + head) * d;
+      for (int64_t t = 0; t < d; ++t) qf[t] = to_float(qr[t]);
+      int64_t tile = 0;
+      for (; tile + 4 <= tiles; tile += 4) score_tiles<4>(qf.data(), d, kt.data() + (kv * tiles + tile) * d * LANES,
+                                                          all.data() + tile * LANES);
+      for (; tile < tiles; ++tile) score_tiles<1>(qf.data(), d, kt.data() + (kv * tiles + tile) * d * LANES,
+                                                  all.data() + tile * LANES);
       keys.clear();
       for (int64_t j = 0; j < n; ++j)
         if (mp[row * n + j]) keys.push_back(j);
-      for (int64_t t = 0; t < dp; ++t) qf[t] = t < d ? to_float(qp[(row * h + head) * d + t]) : 0.0f;
-      scores.assign(keys.size(), 0.0f);
+      scores.resize(keys.size());
       float best = -INFINITY;
       for (size_t j = 0; j < keys.size(); ++j) {
-        const T* kj = kp + (kv * n + keys[j]) * d;
-        V16 lanes = V16::zero();
-        for (int64_t t = 0; t < dp; t += LANES) lanes = lanes.fma(V16::load(qf.data() + t), V16::load_padded(kj, t, d));
-        float s = tree16(lanes) * scale;
-        scores[j] = s;
-        best = s > best ? s : best;
+        scores[j] = all[keys[j]] * scale;
+        best = scores[j] > best ? scores[j] : best;
       }
+      const size_t m = keys.size(), full = m / LANES * LANES;
+      for (size_t j = 0; j < m; ++j) scores[j] = exp_fixed(scores[j] - best);
       float lanes[LANES] = {0};
-      for (size_t j = 0; j < keys.size(); ++j) {
-        scores[j] = exp_fixed(scores[j] - best);
-        lanes[j % LANES] += scores[j];
-      }
+      for (size_t j = 0; j < full; j += LANES)
+        for (int64_t l = 0; l < LANES; ++l) lanes[l] += scores[j + l];
+      for (size_t j = full; j < m; ++j) lanes[j - full] += scores[j];
       const float total = tree16(lanes);
       for (int64_t t = 0; t < dp; t += LANES) {  // lanes over the head dim, keys in order
         V16 sum = V16::zero();
@@ -297,8 +370,8 @@ void check_cpu(const at::Tensor& t, const char* what) {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
   check_cpu(x, "x");
   check_cpu(packed, "packed weight");
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(1) == x.size(1) && packed.size(2) == LANES &&
-              packed.size(0) * LANES >= n, "linear: x [m, k] and a packed weight [panels, k, 16] for n outputs");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(0) * LANES >= n,
+              "linear: x [m, k] and a packed weight [panels, steps, 16 or 32] for n outputs");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "linear: x and weight must share a dtype");
   if (bias.has_value()) check_cpu(*bias, "bias");
   at::Tensor out = at::empty({x.size(0), n}, x.options());

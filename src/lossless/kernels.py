@@ -24,42 +24,48 @@ import torch
 from .errors import LosslessError
 
 SOURCE = Path(__file__).with_name("exact_kernels.cpp")
-# -ffp-contract=off: no multiply-add is fused behind our back (only the explicit fmaf calls); no -ffast-math,
-# so nothing is reassociated. -march=native only changes how wide the lane loops run, never a result.
+# -ffp-contract=off: no multiply-add is fused behind our back (only the explicit ones); no -ffast-math, so
+# nothing is reassociated. -march=native only changes how wide the lanes run, never a result.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
 
 
-def _build_key() -> str:
+def _build_key(cflags: list[str]) -> str:
     digest = hashlib.sha256(SOURCE.read_bytes())
     cpu = ""
     try:
         cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         pass
-    for part in (" ".join(CFLAGS), torch.__version__, platform.machine(), cpu):
+    for part in (" ".join(cflags), torch.__version__, platform.machine(), cpu):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
 
-def build_dir() -> Path:
+def build_dir(cflags: list[str] = CFLAGS) -> Path:
     from .models import cache_dir
 
-    return cache_dir() / "kernels" / _build_key()
+    return cache_dir() / "kernels" / _build_key(cflags)
 
 
 @lru_cache(maxsize=1)
 def ops():
     """The compiled extension (built once per machine and source, then loaded from the cache)."""
+    return build(CFLAGS)
+
+
+def build(cflags: list[str]):
+    """The extension built with `cflags` (`ops()` is the native build; a test builds one for AVX2 only, to check
+    that another instruction set gives the same bits)."""
     from torch.utils import cpp_extension
 
     # the build runs ninja; the one pip installed beside this interpreter counts even if its folder is not on PATH
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    where = build_dir()
+    where = build_dir(cflags)
     try:
         where.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(name=f"lossless_exact_{where.name}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        return cpp_extension.load(name=f"lossless_exact_{where.name}", sources=[str(SOURCE)], extra_cflags=cflags,
                                   extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
     except (OSError, RuntimeError, ImportError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -67,16 +73,31 @@ def ops():
                             f"g++ and a writable $LOSSLESS_CACHE, or use --attn sdpa") from None
 
 
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists `flag` (e.g. "avx512f")."""
+    try:
+        return any(flag in line.split() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except OSError:
+        return False
+
+
 PANEL = 16  # outputs per weight panel: the kernels' lane count
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [n, k] -> panels [ceil(n / 16), k, 16] (outputs past n are zeros), the layout `linear` reads:
-    one input's 16 weights side by side, so each output is one fma chain over its inputs in order."""
+    """weight [n, k] -> panels of 16 outputs (outputs past n are zeros), the layout `linear` reads: [ceil(n/16),
+    k, 16], one input's 16 weights side by side, so each output is one fma chain over its inputs in order; in
+    bf16 [ceil(n/16), ceil(k/2), 32], two inputs at a time (k padded with a zero input), the layout of the
+    AVX-512 BF16 dot-product instruction."""
     n, k = weight.shape
-    padded = torch.zeros((n + PANEL - 1) // PANEL * PANEL, k, dtype=weight.dtype, device=weight.device)
-    padded[:n] = weight.detach()
-    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+    pairs = weight.dtype == torch.bfloat16
+    kp = k + (k % 2 if pairs else 0)
+    padded = torch.zeros((n + PANEL - 1) // PANEL * PANEL, kp, dtype=weight.dtype, device=weight.device)
+    padded[:n, :k] = weight.detach()
+    panels = padded.view(-1, PANEL, kp)  # [p, 16, kp]
+    if not pairs:
+        return panels.transpose(1, 2).contiguous()  # [p, k, 16]
+    return panels.view(-1, PANEL, kp // 2, 2).permute(0, 2, 1, 3).reshape(-1, kp // 2, 2 * PANEL).contiguous()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
