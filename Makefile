@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo test test-fast head head-data head-arms bench study study-report clean
+.PHONY: install demo test test-fast head head-data head-arms bench exact-fast study study-report clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -92,8 +92,21 @@ study: $(STAMP)
 study-report: $(STAMP)
 	$(BIN)/lossless report results/full-study --at-rest
 
+# the README's speed table: every method warmed up, shuffled per prompt and repeat, paired ratios with 95% intervals
+BENCH_METHODS := hf_generate,ar,orthrus,orthrus_lookup,orthrus_tree,orthrus_tree_lookup,orthrus_fused
 bench: $(STAMP)
-	$(BIN)/python benchmarks/speed.py --model smollm2-135m --dtype bf16 --attn sdpa,exact --limit 6 --repeats 2 --max-new-tokens 128
+	$(BIN)/python benchmarks/speed.py --attn sdpa,exact --limit 6 --repeats 3 --max-new-tokens 128 --threads 2 \
+		--methods $(BENCH_METHODS)
+	$(BIN)/python benchmarks/speed.py --attn sdpa,exact --suite suites/default.jsonl --per-domain 2 --repeats 3 \
+		--max-new-tokens 128 --threads 2 --methods hf_generate,ar,orthrus,orthrus_tree_lookup,orthrus_fused
+
+# exact mode's fastest cycle audited against exact AR (expected: 100%), records committed (results/exact-fast/)
+EXACT_FAST_CONFIGS := bf16/exact:5,fp16/exact:5
+exact-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \
+		--dynamo_backend no -m lossless audit --candidates orthrus-tree-lookup --configs $(EXACT_FAST_CONFIGS) \
+		--max-new-tokens 128 --no-progress --out results/exact-fast
+	$(BIN)/lossless report results/exact-fast --at-rest
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

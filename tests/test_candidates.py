@@ -23,6 +23,14 @@ def greedy(model, prompt_ids, max_new_tokens):
     return decode(model, prompt_ids, "ar", DecodeConfig(max_new_tokens=max_new_tokens)).generated
 
 
+def greedy_exact(model, prompt_ids, max_new_tokens):
+    """The same, declared to run the model's exact-mode passes."""
+    return greedy(model, prompt_ids, max_new_tokens)
+
+
+greedy_exact.lossless_exact = True
+
+
 def off_by_one(model, prompt_ids, max_new_tokens):
     """A wrong decoder: greedy, but every token shifted by one."""
     return [(t + 1) % 64 for t in greedy(model, prompt_ids, max_new_tokens)]
@@ -132,3 +140,16 @@ def test_candidate_names_are_checked_by_the_library_too():
     assert parse_candidates("orthrus, oracle,orthrus") == ["orthrus", "oracle"]
     with pytest.raises(LosslessError, match="unknown candidate"):
         parse_candidates(["orthrus", "eagle"])
+
+
+def test_a_users_decoder_runs_under_exact_kernels_only_if_it_says_so(tmp_path, capsys, user_module):
+    suite = write_suite(tmp_path / "s.jsonl")
+    args = ["audit", "--suite", str(suite), "--attn", "exact", "--dtypes", "fp32"]
+    assert main([*args, "--out", str(tmp_path / "r1"), "--candidates", f"{user_module}:greedy"]) == 2
+    err = capsys.readouterr().err
+    assert "greedy.lossless_exact = True" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r1" / "run.json").exists()
+    out = tmp_path / "r2"
+    run_audit(config(suite, configs=["fp32/exact"], candidates=[f"{user_module}:greedy_exact"]), out,
+              load=tiny_loader, progress=False)
+    assert all(r["exact_match"] for r in load_run(out)[0])

@@ -24,7 +24,8 @@ reference). `model` is the `OrthrusLM`: `model.backbone` is the Hugging Face mod
 `model.eos_token_ids()`, `model.device`.
 
 Candidates that run Hugging Face `generate` need the backbone's own kernels; under `attn=exact` they are
-refused, never run on other kernels. Only Orthrus and the oracle run the decode loop, so only they report
+refused, never run on other kernels, and so is a user's decoder unless the function carries
+`lossless_exact = True` (it says it decodes through the model's own passes, e.g. with `lossless.decode`). Only Orthrus and the oracle run the decode loop, so only they report
 accepted drafts and tokens per cycle; the others leave those fields empty.
 
 This module knows decoders and names. It does not know records, files or plans (that is `audit.py`).
@@ -72,6 +73,7 @@ class Candidate:
     name: str
     run: Runner
     hf_generate: bool = False  # runs Hugging Face generate: stock kernels only
+    exact_ok: bool = True  # may run under attn=exact (a user's decoder only if it says so)
 
 
 # ------------------------------------------------------------------------------------ decode-loop ones
@@ -212,7 +214,7 @@ def load_user_candidate(spec: str) -> Candidate:
             raise LosslessError(f"candidate '{spec}': module '{module_name}' has no '{attr}'")
     if not callable(fn):
         raise LosslessError(f"candidate '{spec}': '{attr}' is not callable")
-    return Candidate(spec, _user_runner(fn, spec))
+    return Candidate(spec, _user_runner(fn, spec), exact_ok=getattr(fn, EXACT_MARK, False) is True)
 
 
 # ------------------------------------------------------------------------------------------------ names
@@ -234,9 +236,17 @@ def resolve(name: str) -> Candidate:
     raise LosslessError(f"unknown candidate '{name}': choose from {', '.join(BUILTIN)}, or give module:function")
 
 
+EXACT_MARK = "lossless_exact"  # a user's decoder sets fn.lossless_exact = True to run under attn=exact
+
+
 def check_kernel(name: str, attn: str) -> None:
-    """Refuse a candidate that cannot run under `attn` (HF generate cannot drive the exact kernels)."""
+    """Refuse a candidate that cannot run under `attn` (HF generate cannot drive the exact kernels; a user's
+    decoder runs there only if it declares that it decodes with the model's own exact-mode passes)."""
     candidate = resolve(name)
+    if attn == EXACT and not candidate.exact_ok:
+        fn = name.partition(":")[2]
+        raise LosslessError(f"candidate '{name}' does not say it runs exact mode's kernels: set {fn}.{EXACT_MARK} = "
+                            f"True if it decodes through the model it is given (lossless.decode), or audit it under sdpa")
     if attn == EXACT and candidate.hf_generate:
         raise LosslessError(f"candidate '{name}' runs Hugging Face generate, which cannot drive the exact kernels: "
                             f"audit it under sdpa or eager")

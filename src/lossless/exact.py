@@ -48,7 +48,7 @@ def exact_attention(module, query, key, value, attention_mask, scaling, dropout=
     check_device(query.device)
     b, h, q, d = query.shape
     n = key.shape[2]
-    if (n == q and is_causal is not False) or is_causal is False or _STOCK.get():
+    if (n == q and is_causal is not False) or is_causal is False or _stock(query, key, value):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,

@@ -58,8 +58,13 @@ def build(cflags: list[str]):
     that another instruction set gives the same bits)."""
     from torch.utils import cpp_extension
 
-    # the build runs ninja; the one pip installed beside this interpreter counts even if its folder is not on PATH
-    bin_dir = str(Path(sys.executable).parent)
+    # the build runs ninja; the one pip installed (a dependency) counts even if its folder is not on PATH
+    try:
+        import ninja
+
+        bin_dir = ninja.BIN_DIR
+    except ImportError:
+        bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     where = build_dir(cflags)
