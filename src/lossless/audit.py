@@ -179,7 +179,7 @@ def launcher_state():
 
 def machine_id() -> str:
     """What a record's bf16/fp16 rounding depends on: CPU model and ISA, torch build, intra-op threads."""
-    from .exact import _cpu_flags
+    from .kernels import cpu_flags
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -188,7 +188,7 @@ def machine_id() -> str:
     except OSError:
         pass
     isa = torch.backends.cpu.get_cpu_capability()
-    native = sorted(f for f in ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16") if f in _cpu_flags())
+    native = sorted(f for f in ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16") if f in cpu_flags())
     threads = torch.get_num_threads()
     return f"{cpu} ({isa}{''.join(', ' + f for f in native)}), torch {torch.__version__}, {threads} thread" + \
         ("s" if threads != 1 else "")

@@ -85,21 +85,10 @@ _NATIVE_FLAGS = {torch.float32: ("avx512f",), torch.bfloat16: ("avx512_bf16", "a
                  torch.float16: ("avx512_fp16", "amx_fp16")}
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def cpu_multiplies_natively(dtype: torch.dtype) -> bool:
     """Whether this CPU has wide-SIMD (or AMX) instructions for `dtype` products; where it has not, torch
     emulates them (bf16 then costs several times fp32)."""
-    return any(f in _cpu_flags() for f in _NATIVE_FLAGS.get(dtype, ()))
+    return any(f in kernels.cpu_flags() for f in _NATIVE_FLAGS.get(dtype, ()))
 
 
 _STOCK: ContextVar[bool] = ContextVar("lossless_stock_kernels", default=False)

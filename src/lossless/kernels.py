@@ -29,14 +29,21 @@ SOURCE = Path(__file__).with_name("exact_kernels.cpp")
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
 
 
-def _build_key(cflags: list[str]) -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    cpu = ""
+def cpu_flags() -> set[str]:
+    """The CPU's instruction-set flags (from /proc/cpuinfo; empty where it cannot be read)."""
     try:
-        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    for part in (" ".join(cflags), torch.__version__, platform.machine(), cpu):
+    return set()
+
+
+def _build_key(cflags: list[str]) -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    for part in (" ".join(cflags), torch.__version__, platform.machine(), " ".join(sorted(cpu_flags()))):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -76,14 +83,6 @@ def build(cflags: list[str]):
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise LosslessError(f"exact mode could not build its CPU kernels in {where} ({first[:160]}); it needs "
                             f"g++ and a writable $LOSSLESS_CACHE, or use --attn sdpa") from None
-
-
-def cpu_has(flag: str) -> bool:
-    """Whether /proc/cpuinfo lists `flag` (e.g. "avx512f")."""
-    try:
-        return any(flag in line.split() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except OSError:
-        return False
 
 
 PANEL = 16  # outputs per weight panel: the kernels' lane count
