@@ -415,3 +415,39 @@ def test_roll_all_commits_what_another_writer_left_and_a_live_writer_keeps_appen
     assert live.plain.stat().st_ino == inode and live.plain.read_text() == '{"key":"l2"}\n'
     assert roll_all(run) and roll_all(run) == []  # nothing left to roll the second time
     assert sorted(r["key"] for r in read_records(run, at_rest=True)) == ["d1", "l1", "l2"]
+
+
+def test_decoding_keeps_the_top_tokens_its_margins_come_from():
+    from lossless.decoding import DecodeConfig, decode
+    from lossless.text import encode_prompt
+
+    model = tiny_loader("bf16", "sdpa")
+    ids = encode_prompt(model.tokenizer, "w1 w2 w3")
+    for mode in ("ar", "orthrus"):
+        state = decode(model, ids, mode, DecodeConfig(max_new_tokens=10, record_margins=True))
+        assert len(state.tops) == len(state.margins) == len(state.generated) == 10
+        for tok, margin, top in zip(state.generated, state.margins, state.tops):
+            assert top[0][0] == tok  # greedy: the committed token is the top one
+            assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+            assert margin == top[0][1] - top[1][1]
+
+
+def test_a_diverging_record_carries_both_sides_top_tokens_at_the_divergence():
+    from lossless.audit import Reference, pair_record
+    from lossless.candidates import CandidateRun
+
+    def tops(ids, runner_up):
+        return [[[t, 5.0], [runner_up, 4.96875], [9, 1.0]] for t in ids]
+
+    ref = Reference([1, 2, 3, 4], [0.03125] * 4, 0.5, 4, 0.1, tops=tops([1, 2, 3, 4], 7))
+    run = CandidateRun([1, 2, 7, 4], 0.05, 3, [0.03125] * 4, tops=tops([1, 2, 7, 4], 3))
+    prompt = {"id": "p", "domain": "d", "prompt": "x"}
+    r = pair_record(prompt, [5, 6], "bf16", "sdpa", "sdpa", 4, ref, run)
+    assert r["first_divergence"] == 2
+    assert r["ref_top_at_divergence"] == [[3, 5.0], [7, 4.9688], [9, 1.0]]
+    assert r["orthrus_top_at_divergence"][:2] == [[7, 5.0], [3, 4.9688]]
+    same = pair_record(prompt, [5, 6], "bf16", "sdpa", "sdpa", 4, ref, CandidateRun([1, 2, 3, 4], 0.05))
+    assert same["first_divergence"] is None and same["ref_top_at_divergence"] is None
+    reused = pair_record(prompt, [5, 6], "bf16", "sdpa", "sdpa", 4,
+                         Reference.from_record({**r, "ar_ids": [1, 2, 3, 4]}), run)
+    assert reused["ref_top_at_divergence"] is None and reused["orthrus_top_at_divergence"] is not None

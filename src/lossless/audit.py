@@ -286,6 +286,7 @@ class Reference:
     forwards: int
     seconds: float
     reused: bool = False
+    tops: list[list[list]] | None = None  # the top [[id, logit], ...] per token (not kept in records: None when reused)
 
     @classmethod
     def from_record(cls, r: dict) -> "Reference":
@@ -311,6 +312,9 @@ def pair_record(prompt: dict, prompt_ids: list[int], dtype: str, attn: str, refe
     def margin(margins, i):
         return round(margins[i], 6) if margins is not None and i is not None and i < len(margins) else None
 
+    def top(tops, i):  # the top tokens and logits where the trajectories part (4 decimals, as the margins)
+        return [[t, round(v, 4)] for t, v in tops[i]] if tops and i is not None and i < len(tops) else None
+
     return {
         "key": record_key(prompt["id"], dtype, attn, reference_attn, candidate), "prompt_id": prompt["id"],
         "domain": prompt["domain"], "dtype": dtype, "attn": attn, "reference_attn": reference_attn,
@@ -319,6 +323,7 @@ def pair_record(prompt: dict, prompt_ids: list[int], dtype: str, attn: str, refe
         "ar_ids": a, "orthrus_ids": o, "exact_match": a == o, "first_divergence": div,
         "levenshtein": levenshtein(a, o),
         "ref_margin_at_divergence": margin(ref.margins, div), "orthrus_margin_at_divergence": margin(run.margins, div),
+        "ref_top_at_divergence": top(ref.tops, div), "orthrus_top_at_divergence": top(run.tops, div),
         "ref_log_ppl": ref.log_ppl, "response_length": len(a),
         "accepted": run.accepted, "tokens_per_step": run.tokens_per_step,
         "ar_forwards": ref.forwards, "orthrus_forwards": run.forwards,
@@ -341,7 +346,7 @@ def compute_reference(model: OrthrusLM, ids: list[int], dcfg: DecodeConfig) -> R
     ar = decode(model, ids, "ar", dcfg)
     log_ppl = response_log_ppl(model, ids, ar.generated)
     return Reference(ar.generated, ar.margins, None if math.isnan(log_ppl) else round(log_ppl, 6),
-                     ar.stats.forwards, ar.stats.seconds)
+                     ar.stats.forwards, ar.stats.seconds, tops=ar.tops)
 
 
 def item_keys(prompt_id: str, dtype: str, attn: str, candidate: str) -> list[str]:

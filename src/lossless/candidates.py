@@ -62,6 +62,7 @@ class CandidateRun:
     tokens_per_step: float | None = None
     cycle: str | None = None  # "two-pass" | "fused" for Orthrus
     k: int | None = None  # block size of decode-loop candidates
+    tops: list[list[list]] | None = None  # the top [[id, logit], ...] per generated token (decoding.top_tokens)
 
 
 # (model, prompt_ids, cfg, reference ids of the candidate's own kernel) -> CandidateRun
@@ -80,7 +81,7 @@ class Candidate:
 def _from_state(state, cycle: str | None, k: int) -> CandidateRun:
     s = state.stats
     return CandidateRun(list(state.generated), s.seconds, s.forwards, list(state.margins), list(s.accepted),
-                        round(s.tokens_per_step, 4), cycle, k)
+                        round(s.tokens_per_step, 4), cycle, k, tops=list(state.tops))
 
 
 def run_orthrus(model, ids, cfg, reference):

@@ -147,7 +147,7 @@ class DecodeConfig:
     k: int | None = None  # block size; None = the head's k (two-pass) or FUSED_K (fused)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eos_ids: tuple[int, ...] = ()
-    record_margins: bool = False  # keep the top-1 minus top-2 logit margin of every committed token
+    record_margins: bool = False  # keep the top-1 minus top-2 logit margin (and the top tokens) of every committed token
     cycle: str = "two-pass"  # how orthrus spends forwards: "two-pass" (draft, then verify) or "fused"
     groups: int | None = None  # fused: draft groups per forward, for acceptance counts 0..groups-1 (None = all)
     tree: int = 0  # two-pass, greedy: verify a tree of this many draft candidates (0 = the chain of top drafts)
@@ -196,6 +196,7 @@ class DecodeState:
     finished: str | None = None  # "eos" | "length" once done
     stats: DecodeStats = field(default_factory=DecodeStats)
     margins: list[float] = field(default_factory=list)  # per generated token, when cfg.record_margins
+    tops: list[list[list]] = field(default_factory=list)  # per generated token, when cfg.record_margins: [[id, logit]] * TOP_N
     drafts: list[int] = field(default_factory=list)  # fused: drafted continuation of the last committed token
     draft_q: torch.Tensor | None = None  # fused, sampling: the drafts' distributions [len(drafts), V]
 
@@ -223,10 +224,19 @@ class Drafter(Protocol):
         """Propose k-1 draft ids (and their sampling distributions q [k-1, V] when sampling)."""
 
 
+TOP_N = 5  # top tokens kept per committed token when margins are recorded (what a reader sees at a divergence)
+
+
 def top2_margins(logits: torch.Tensor) -> list[float]:
     """Top-1 minus top-2 logit, per row of logits [..., V] (how close each choice was to a tie)."""
     top = torch.topk(logits.float(), 2, dim=-1).values
     return (top[..., 0] - top[..., 1]).reshape(-1).tolist()
+
+
+def top_tokens(logits: torch.Tensor, n: int = TOP_N) -> list[list[list]]:
+    """The n highest logits of each row of logits [m, V], as [[id, logit], ...] per row, highest first."""
+    top = torch.topk(logits.float(), min(n, logits.shape[-1]), dim=-1)
+    return [[[int(i), float(v)] for i, v in zip(ids, vals)] for ids, vals in zip(top.indices.tolist(), top.values.tolist())]
 
 
 def propose(logits: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[list[int], torch.Tensor | None]:
@@ -302,6 +312,7 @@ def commit(state: DecodeState, new_tokens: list[int], cfg: DecodeConfig, logits:
     state.stats.new_tokens = len(state.generated)
     if cfg.record_margins and logits is not None:
         state.margins.extend(top2_margins(logits[: len(kept)]))
+        state.tops.extend(top_tokens(logits[: len(kept)]))
     return kept
 
 
