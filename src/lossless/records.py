@@ -4,7 +4,8 @@ A run directory keeps its per-pair records under `records/`:
 
 - each writer (one process: the whole run, or one shard) appends finished items to its own plain file
   `records/<writer>.jsonl`, flushed and fsynced after every item, so a kill loses at most the item in
-  flight and a torn last line is cut off on the next start;
+  flight and a torn last line is cut off on the next start (its complete lines are rolled into a segment
+  before the plain file is emptied, so a kill at any moment leaves them on disk);
 - `roll()` (every few minutes while running, and at every clean stop) compresses what the plain file
   holds into a new, never-rewritten segment `records/<writer>.<UTC time>.jsonl.gz` and empties the plain
   file. Segments are what is committed: a run continues on any machine from a checkout, and records
@@ -124,7 +125,10 @@ class RecordStore:
         self._repair()
 
     def _repair(self) -> None:
-        """Cut a torn last line off this writer's plain file, and drop lines a segment already holds."""
+        """Cut a torn last line off this writer's plain file, and drop lines a segment already holds.
+
+        The lines kept are rolled into a new segment before the plain file is emptied, never written back
+        into it: a kill at any moment leaves them on disk (in the plain file, the segment, or both)."""
         if not self.plain.exists():
             return
         with _locked(self.plain) as f:
@@ -134,9 +138,10 @@ class RecordStore:
             rolled = {r["key"] for seg in self.segments() for r in map(_parse, _lines(seg)) if r is not None}
             kept = [ln for ln in data.decode("utf-8", errors="replace").splitlines(keepends=True)
                     if (r := _parse(ln)) is not None and r["key"] not in rolled]
-            new = "".join(kept).encode("utf-8")
-            if new != original:
-                _rewrite(f, new)
+            if "".join(kept).encode("utf-8") != original:
+                if kept:
+                    _write_segment(self.plain, self.writer, kept)
+                _rewrite(f, b"")
 
     def segments(self) -> list[Path]:
         return sorted(self.dir.glob(f"{self.writer}.*.jsonl.gz"))
@@ -192,30 +197,41 @@ def _roll(plain: Path, writer: str) -> Path | None:
                  if ln.endswith("\n")]
         if not lines:
             return None
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        seg = plain.parent / f"{writer}.{stamp}.jsonl.gz"
-        n = 1
-        while seg.exists():  # two rolls within a second
-            n += 1
-            seg = plain.parent / f"{writer}.{stamp}-{n}.jsonl.gz"
-        # mtime=0: the same records always compress to the same bytes
-        payload = gzip.compress("".join(lines).encode("utf-8"), compresslevel=9, mtime=0)
-        atomic_write(seg, payload)
+        seg = _write_segment(plain, writer, lines)
         # only now forget them; a kill before this line leaves duplicates that readers drop
         _rewrite(f, b"")
     return seg
 
 
+def _write_segment(plain: Path, writer: str, lines: list[str]) -> Path:
+    """A new segment of `writer` beside `plain` holding `lines`, written atomically (whole or absent)."""
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    seg = plain.parent / f"{writer}.{stamp}.jsonl.gz"
+    n = 1
+    while seg.exists():  # two rolls within a second
+        n += 1
+        seg = plain.parent / f"{writer}.{stamp}-{n}.jsonl.gz"
+    # mtime=0: the same records always compress to the same bytes
+    payload = gzip.compress("".join(lines).encode("utf-8"), compresslevel=9, mtime=0)
+    return atomic_write(seg, payload)
+
+
 @contextlib.contextmanager
 def _locked(path: Path):
-    """The file open for reading and writing (created if missing), at offset 0, under an exclusive lock."""
+    """The file open for reading and writing (created if missing), at offset 0, under an exclusive lock.
+    What the block wrote is flushed and fsynced before the lock is released, whether it ended or raised:
+    the next holder of the lock reads it from disk."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     with os.fdopen(fd, "r+b") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield f
         finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            try:
+                f.flush()
+                os.fsync(f.fileno())
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def _rewrite(f, data: bytes) -> None:
