@@ -146,6 +146,83 @@ def test_plots_without_divergences_are_skipped(tmp_path):
     assert not (d / "first_divergence.png").exists()
 
 
+def _exact_mode_records(i, sdpa_reference_reused):
+    """One exact-mode candidate run of prompt i, as `audit_prompt` records it: one record per reference
+    kernel (exact AR, stock-SDPA AR), both carrying the run's seconds."""
+    own = {**_record(i, "bf16", True, attn="exact", reference_attn="exact"), "ar_seconds": 2.0,
+           "orthrus_seconds": 0.75, "reference_reused": False}
+    vs_sdpa = {**_record(i, "bf16", False, attn="exact", reference_attn="sdpa"), "ar_seconds": 1.0,
+               "orthrus_seconds": 0.75, "reference_reused": sdpa_reference_reused}
+    vs_sdpa["key"] += "|ref-sdpa"
+    return [own, vs_sdpa]
+
+
+def _hours(summary):
+    return {c["label"]: round(c["compute_hours"] * 3600, 9) for c in summary["configs"]}
+
+
+def test_an_exact_mode_runs_time_is_counted_once_and_a_reused_reference_not_again(tmp_path):
+    """The full study's shape: bf16/sdpa pairs compute the stock AR reference, the exact-mode item reuses
+    it and computes exact AR. Per prompt: stock AR 1.0 s + its candidate 0.5 s + exact AR 2.0 s + the exact
+    candidate 0.75 s, counted once each."""
+    d = tmp_path / "run"
+    d.mkdir()
+    recs = [{**_record(i, "bf16", True), "reference_reused": False} for i in range(4)]
+    recs += [r for i in range(4) for r in _exact_mode_records(i, sdpa_reference_reused=True)]
+    (d / "records.jsonl").write_text(_lines(recs))
+    summary = write_report(d)
+    assert _hours(summary) == {"bf16/sdpa": 4 * 1.5, "bf16/exact": 4 * 2.75, "bf16/exact vs AR-sdpa": 0.0}
+    configs = {c["label"]: c for c in summary["configs"]}
+    assert configs["bf16/exact"]["mean_seconds_per_pair"] == pytest.approx(2.75)
+    assert configs["bf16/exact vs AR-sdpa"]["mean_seconds_per_pair"] == 0.0
+    assert sum(_hours(summary).values()) == 4 * (1.0 + 0.5 + 2.0 + 0.75)
+
+
+def test_an_exact_mode_run_that_computed_the_stock_reference_counts_it_where_it_was_compared(tmp_path):
+    """`make exact-fast`'s shape: no stock configuration, so each exact item computes stock AR itself."""
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "records.jsonl").write_text(_lines([r for i in range(3) for r in _exact_mode_records(i, False)]))
+    summary = write_report(d)
+    assert _hours(summary) == {"bf16/exact": 3 * 2.75, "bf16/exact vs AR-sdpa": 3 * 1.0}
+
+
+def test_a_reference_several_candidates_share_is_counted_once_even_unflagged(tmp_path):
+    """Early candidate records did not mark the reference reused after the first candidate: the same
+    computation (same prompt, dtype, kernel, machine) must not be summed once per candidate."""
+    d = tmp_path / "run"
+    d.mkdir()
+    recs = []
+    for i in range(2):
+        for cand in ("oracle", "prompt-lookup"):
+            r = {**_record(i, "bf16", True), "candidate": cand, "machine": "m", "reference_reused": False,
+                 "ar_seconds": 3.0, "orthrus_seconds": 0.25}
+            r["key"] += f"|{cand}"
+            recs.append(r)
+    (d / "records.jsonl").write_text(_lines(recs))
+    summary = write_report(d)
+    assert sum(_hours(summary).values()) == 2 * (3.0 + 2 * 0.25)
+    # another machine's computation of the same reference is its own cost
+    recs[1]["machine"] = "other"
+    (d / "records.jsonl").write_text(_lines(recs))
+    assert sum(_hours(write_report(d)).values()) == 2 * (3.0 + 2 * 0.25) + 3.0
+
+
+@pytest.mark.parametrize("content", [b'{"planned": 24, "comm', b"[1, 2]", b"\xff\xfe{"],
+                         ids=["torn", "not-an-object", "not-utf8"])
+def test_a_torn_run_json_is_a_one_line_error_naming_it(run_dir, capsys, content):
+    """A missing run.json is allowed (old runs); a broken one is not silently read as {}."""
+    from lossless.cli import main
+
+    (run_dir / "run.json").write_bytes(content)
+    with pytest.raises(LosslessError, match="run.json in .* is not"):
+        load_run(run_dir)
+    assert main(["report", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert str(run_dir) in err and "run.json" in err and "lossless audit" in err
+
+
 def test_summary_is_rebuilt_byte_for_byte_whatever_files_hold_the_records(run_dir, tmp_path):
     """The same records, split differently across writers and compressed segments, give the same bytes."""
     import gzip

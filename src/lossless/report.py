@@ -39,8 +39,8 @@ PUBLISHED = {
 def load_run(run_dir, at_rest: bool = False) -> tuple[list[dict], dict]:
     """All records of a run (every writer's segments and plain files merged, or with `at_rest` only the
     compressed segments a checkout holds; the first record seen for a key wins; torn lines are skipped),
-    sorted by key so the summary depends on the records alone, and the run's `run.json` ({} if absent or
-    unreadable)."""
+    sorted by key so the summary depends on the records alone, and the run's `run.json` ({} if absent, as
+    in old runs; a torn or non-object one raises LosslessError)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise LosslessError(f"run directory {run_dir} does not exist: pass the --out directory of `lossless audit`")
@@ -48,11 +48,13 @@ def load_run(run_dir, at_rest: bool = False) -> tuple[list[dict], dict]:
     run_info: dict = {}
     info_path = run_dir / "run.json"
     if info_path.is_file():
+        fix = "restore it from git or remove it and rerun `lossless audit` with the same options"
         try:
-            loaded = json.loads(info_path.read_text(encoding="utf-8"))
-            run_info = loaded if isinstance(loaded, dict) else {}
+            run_info = json.loads(info_path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError):
-            run_info = {}
+            raise LosslessError(f"run.json in {run_dir} is not valid JSON: {fix}") from None
+        if not isinstance(run_info, dict):
+            raise LosslessError(f"run.json in {run_dir} is not a JSON object: {fix}")
     return records, run_info
 
 
@@ -98,10 +100,34 @@ def _rate(recs: list[dict]) -> tuple[float | None, list[float]]:
     return (k / n if n else None), [lo, hi]
 
 
-def _pair_seconds(r: dict) -> float:
-    """Decode time a pair cost: Orthrus, plus the AR reference unless it was reused from another record."""
-    ar = 0.0 if r.get("reference_reused") else float(r.get("ar_seconds") or 0.0)
-    return ar + float(r.get("orthrus_seconds") or 0.0)
+def _decode_seconds(records: list[dict]) -> dict[str, float]:
+    """The decode time charged to each record (by key), so that summing over records counts every
+    computation once. A candidate run yields one record per AR reference it is compared with (under
+    `--attn exact`: exact AR and stock-SDPA AR), each carrying the run's seconds: they are charged to the
+    record compared with the reference of the run's own kernel. An AR reference is charged to the first
+    record (by key) that computed it, i.e. not marked `reference_reused`; early candidate runs left the flag
+    unset on every candidate sharing one computation, so a reference counts once per (prompt, dtype,
+    reference kernel, machine). The reference's perplexity pass is not counted."""
+    ordered = sorted(records, key=lambda r: str(r["key"]))
+    runs: dict[tuple, dict] = {}
+    for r in ordered:
+        dtype, attn, ref, candidate = _config(r)
+        run = (r["prompt_id"], dtype, attn, candidate) if r.get("prompt_id") is not None else (str(r["key"]),)
+        if run not in runs or (ref == attn and _config(runs[run])[2] != attn):
+            runs[run] = r
+    charged_runs = {str(r["key"]) for r in runs.values()}
+    seconds, references = {}, set()
+    for r in ordered:
+        key = str(r["key"])
+        dtype, _, ref, _ = _config(r)
+        t = float(r.get("orthrus_seconds") or 0.0) if key in charged_runs else 0.0
+        reference = (r["prompt_id"], dtype, ref, str(r.get("machine") or "")) if r.get("prompt_id") is not None \
+            else (key,)
+        if not r.get("reference_reused") and reference not in references:
+            references.add(reference)
+            t += float(r.get("ar_seconds") or 0.0)
+        seconds[key] = t
+    return seconds
 
 
 def _diverging_first(recs: list[dict]) -> float | None:
@@ -139,6 +165,7 @@ def _finite(obj):
 def summarise(records: list[dict], run_info: dict) -> dict:
     """The summary.json object (see `write_report`)."""
     groups = _group(records)
+    seconds = _decode_seconds(records)
     configs, domains, regression, ppl = [], {}, {}, {}
     for (dtype, attn, ref, candidate), recs in groups.items():
         label = config_label(dtype, attn, ref, candidate)
@@ -151,8 +178,8 @@ def summarise(records: list[dict], run_info: dict) -> dict:
                         "mean_first_divergence": _diverging_first(recs),
                         "mean_levenshtein": _mean(r.get("levenshtein") for r in recs),
                         "cycle": cycle,
-                        "mean_seconds_per_pair": _mean(_pair_seconds(r) for r in recs),
-                        "compute_hours": sum(_pair_seconds(r) for r in recs) / 3600})
+                        "mean_seconds_per_pair": _mean(seconds[str(r["key"])] for r in recs),
+                        "compute_hours": sum(seconds[str(r["key"])] for r in recs) / 3600})
         by_domain: dict[str, list[dict]] = defaultdict(list)
         for r in recs:
             by_domain[str(r.get("domain", "?"))].append(r)
@@ -349,9 +376,12 @@ def _markdown(summary: dict, run_dir: Path, run_info: dict, plots: list[tuple[st
     for label, reg in summary["regression"].items():
         L += _regression_block(label, reg)
     L += ["## Compute", "",
-          "Decode time per pair (Orthrus, plus the AR reference where it was computed for this pair; the "
-          "reference's perplexity pass is not counted), and the machines the records were made on: bf16 and "
-          "fp16 rounding depend on the CPU, its ISA, the torch build and the thread count.", ""]
+          "Decode time per pair, each computation counted once: the candidate's run on its pair with the AR "
+          "reference of its own kernel (an exact-mode run compared with stock-SDPA AR too is not counted again "
+          "there), the AR reference on the pair that computed it (a reused one is not counted again; the "
+          "reference's perplexity pass is not counted). The decode hours add up to the run's. Then the machines "
+          "the records were made on: bf16 and fp16 rounding depend on the CPU, its ISA, the torch build and "
+          "the thread count.", ""]
     L += _table(["config", "pairs", "mean s per pair", "decode hours"],
                 [[c["label"], c["n"], _num(c.get("mean_seconds_per_pair"), ".1f"), _num(c.get("compute_hours"), ".2f")]
                  for c in summary["configs"]])
@@ -567,6 +597,13 @@ def write_report(run_dir, out_dir=None, at_rest: bool = False) -> dict:
     "mean_first_divergence", "mean_tokens_per_step"}]}, "regression": {label: logistic_regression(...)},
     "ppl": {label: {"matching_mean_ppl", "diverging_mean_ppl", "n_matching", "n_diverging"}},
     "replication": PUBLISHED, "plots": [file names written]}.
+
+    A configuration's `compute_hours` (and `mean_seconds_per_pair`, the same over its pairs) is the decode
+    time its records were the first to spend, so the configurations' hours add up to the run's without
+    counting anything twice: a candidate run is charged to its pair with the AR reference of its own kernel
+    (`bf16/exact vs AR-sdpa` holds no candidate time: the `bf16/exact` pairs carry it), an AR reference to
+    the pair that computed it (none where it was reused from another configuration or candidate). See
+    `_decode_seconds`.
     """
     run_dir = Path(run_dir)
     records, run_info = load_run(run_dir, at_rest)
