@@ -224,6 +224,11 @@ def test_summarise_needs_only_the_harness_files(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     assert (tmp_path / "report.md").read_text().startswith(render_table(summary))
     assert (tmp_path / "scores.png").exists()
+    from lossless.htmlreport import unpack
+
+    (item,) = unpack((tmp_path / "report.html").read_text())["items"]  # the one item whose responses differ
+    assert (item["key"], item["ar"], item["orthrus"], item["ar_score"], item["orthrus_score"]) == \
+        ("arith|bf16|orthrus|1", " 0", " 1", 0.0, 1.0)
 
 
 def test_lm_eval_cli_finds_the_registered_model(model_dir, tmp_path):

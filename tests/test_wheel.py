@@ -78,6 +78,13 @@ def test_the_wheel_audits_the_default_suite(installed):
 
     domains = {r["domain"] for r in read_records(out)}
     assert len(domains) == 12
+    # the report's page is built from the wheel's own templates, with the wheel's suite's prompts
+    _run([str(installed["lossless"]), "report", str(out)], installed["work"], installed["env"])
+    page = (out / "report.html").read_text()
+    from lossless.htmlreport import unpack
+
+    data = unpack(page)
+    assert "class Viewer" in page and len(data["prompts"]) == 12 and data["notes"] == []
 
 
 def test_the_wheel_refuses_training_prompts_from_the_default_suite(installed):

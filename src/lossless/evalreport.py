@@ -1,5 +1,5 @@
 """The `lossless eval` summary: read a directory's harness outputs, pair AR with Orthrus, write
-summary.json, report.md and scores.png.
+summary.json, report.md, scores.png and report.html (the items whose generations differ, side by side).
 
 Owns: reading `harness/<mode>_<dtype>/results_<task>.json` and `samples_<task>.jsonl`, picking a task's
 main metric, pairing each Orthrus run with the AR run of the same task and dtype item by item, the
@@ -18,6 +18,7 @@ import platform
 from pathlib import Path
 
 from .errors import LosslessError
+from .htmlreport import write_eval_html
 from .jsonio import atomic_write, read_jsonl
 from .stats import paired_bootstrap, wilson_interval
 
@@ -40,6 +41,13 @@ def _load_run(path: Path) -> tuple[dict, dict[int, dict]]:
     if sp.exists():
         samples = {int(s["doc_id"]): s for s in read_jsonl(sp)}
     return res, samples
+
+
+def _prompt(sample: dict) -> str:
+    """The text the model was given for an item (the first request's context)."""
+    args = sample.get("arguments") or [[""]]
+    first = args[0] if isinstance(args, list) and args else ""
+    return str(first[0] if isinstance(first, (list, tuple)) and first else first)
 
 
 def _response(sample: dict) -> str:
@@ -68,7 +76,7 @@ def summarise(out: str | Path) -> dict:
             commands.append(info["command"])
         rows.append({"task": task, "mode": info.get("mode"), "dtype": info.get("dtype"), "attn": info.get("attn"),
                      "metric": metric, "score": score, "stderr": stderr, "n": len(samples)})
-    paired = []
+    paired, items = [], []
     for (task, mode, dtype), (_, or_samples) in sorted(runs.items()):
         if mode == "ar" or (task, "ar", dtype) not in runs:
             continue
@@ -80,7 +88,13 @@ def summarise(out: str | Path) -> dict:
         a = [float(ar_samples[i][metric]) for i in ids]
         b = [float(or_samples[i][metric]) for i in ids]
         boot = paired_bootstrap(a, b, n_boot=5000, seed=0)
-        differ = sum(_response(ar_samples[i]) != _response(or_samples[i]) for i in ids)
+        differing = [i for i in ids if _response(ar_samples[i]) != _response(or_samples[i])]
+        differ = len(differing)
+        items += [{"key": f"{task}|{dtype}|{mode}|{i}", "task": task, "dtype": dtype, "mode": mode, "doc_id": i,
+                   "prompt": _prompt(ar_samples[i]), "target": str(ar_samples[i].get("target", "")),
+                   "ar": _response(ar_samples[i]), "orthrus": _response(or_samples[i]),
+                   "ar_score": float(ar_samples[i][metric]), "orthrus_score": float(or_samples[i][metric])}
+                  for i in differing]
         changed = sum(x != y for x, y in zip(a, b))
         paired.append({"task": task, "dtype": dtype, "mode": mode, "metric": metric, "n": len(ids),
                        "ar": sum(a) / len(a), "orthrus": sum(b) / len(b), "diff": boot["diff"],
@@ -94,7 +108,11 @@ def summarise(out: str | Path) -> dict:
     summary["commands"] = commands  # the commands that wrote the results summarised (all runs: command.txt)
     atomic_write(out / "summary.json", json.dumps(summary, indent=1))
     plot = plot_paired(summary, out / "scores.png")
-    atomic_write(out / "report.md", render_table(summary) + (f"\n![AR vs Orthrus]({plot.name})\n" if plot else ""))
+    markdown = render_table(summary) + (f"\n![AR vs Orthrus]({plot.name})\n" if plot else "")
+    atomic_write(out / "report.md", markdown)
+    notes = [] if runs and all(samples for _, samples in runs.values()) else [
+        "Some runs have no samples file (samples_<task>.jsonl): their items cannot be compared here."]
+    write_eval_html(out, markdown, [(plot.name, "AR vs Orthrus")] if plot else [], items, notes)
     return summary
 
 

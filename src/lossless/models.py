@@ -106,6 +106,26 @@ def _load_tokenizer(path_or_id):
         return None
 
 
+def load_tokenizer(spec: str = "smollm2-135m"):
+    """The tokenizer of a model spec (as `load_model` takes it) without its weights: the embedded model's
+    (converted once, as `load_model` does), a local directory's, or a hub id's where the hub is reachable.
+    None where the spec names no tokenizer this machine has."""
+    if spec in EMBEDDED:
+        return _load_tokenizer(embedded_model_dir(spec))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _load_tokenizer(path)
+    if "/" in spec and not spec.startswith((".", "/", "~")):
+        from transformers import AutoTokenizer
+
+        _quiet_transformers()
+        try:  # the local Hugging Face cache only: a report never waits on the network
+            return AutoTokenizer.from_pretrained(spec, local_files_only=True)
+        except Exception:
+            return None
+    return None
+
+
 def _orthrus_checkpoint(path: Path, raw: dict, dtype: torch.dtype, attn: str) -> OrthrusLM:
     """Load the authors' layout: a Qwen3 backbone plus `*_diff` weights, `block_size`, `mask_token_id`."""
     from safetensors import safe_open

@@ -584,9 +584,10 @@ _PLOTS = (_plot_configs, _plot_candidates, _plot_ppl_bins, _plot_margins, _plot_
 
 # --- entry point ---------------------------------------------------------------------------------
 
-def write_report(run_dir, out_dir=None, at_rest: bool = False) -> dict:
-    """Write report.md, the PNG plots and summary.json for the run in `run_dir` (into `out_dir`,
-    default `run_dir`) and return the summary. Works on partial runs; `at_rest` reports only the committed
+def write_report(run_dir, out_dir=None, at_rest: bool = False, html: bool = True, tokenizer="from-run") -> dict:
+    """Write report.md, the PNG plots, summary.json and (`html`) report.html for the run in `run_dir` (into
+    `out_dir`, default `run_dir`) and return the summary. `tokenizer`: what report.html decodes tokens with
+    (default: the run's model's; None: ids only). Works on partial runs; `at_rest` reports only the committed
     (compressed) records, as a checkout would.
 
     summary.json: {"n_records", "planned" (int or null), "configs": [{"label", "dtype", "attn",
@@ -617,6 +618,60 @@ def write_report(run_dir, out_dir=None, at_rest: bool = False) -> dict:
     summary["plots"] = [name for name, _ in plots]
     if at_rest:  # which committed segments this summary was built from, so it can be rebuilt from exactly them
         summary["record_segments"] = [f.name for f in record_files(run_dir, at_rest=True)]
-    (out / "report.md").write_text(_markdown(summary, run_dir, run_info, plots), encoding="utf-8")
+    markdown = _markdown(summary, run_dir, run_info, plots)
+    (out / "report.md").write_text(markdown, encoding="utf-8")
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    if html:
+        write_page(out, records, run_info, markdown, plots, tokenizer)
     return summary
+
+
+FROM_RUN = "from-run"  # write_report's default tokenizer: the run's own model's, when it can be loaded here
+
+
+def write_page(out: Path, records: list[dict], run_info: dict, markdown: str, plots: list[tuple[str, str]],
+               tokenizer=FROM_RUN) -> Path:
+    """report.html (see `htmlreport`): the prompts from the run's suite and token texts from its model's
+    tokenizer where this machine has them; what is missing is said on the page."""
+    from . import htmlreport
+
+    notes = []
+    cfg = run_info.get("config") if isinstance(run_info.get("config"), dict) else {}
+    prompts = _suite_prompts(cfg.get("suite"))
+    if not prompts:
+        notes.append(f"The suite {cfg.get('suite') or '(not recorded)'} is not on this machine: prompts show by id.")
+    if tokenizer == FROM_RUN:
+        tokenizer = _run_tokenizer(cfg.get("model"))
+    if tokenizer is None:
+        notes.append(f"The tokenizer of model {cfg.get('model') or '(not recorded)'} could not be loaded here: "
+                     "tokens show as ids.")
+    labels = {str(r["key"]): config_label(*_config(r)[:3]) for r in records}
+    return htmlreport.write_html(out, records, labels, markdown, plots, prompts, tokenizer, notes)
+
+
+def _suite_prompts(suite) -> dict[str, str]:
+    """{prompt id: text} of the suite a run recorded (as given, or relative to the install's data), else {}."""
+    from .audit import load_suite
+    from .paths import ROOT
+
+    if not isinstance(suite, str) or not suite:
+        return {}
+    for path in (Path(suite), ROOT / suite):
+        if path.is_file():
+            try:
+                return {str(p["id"]): str(p["prompt"]) for p in load_suite(path)}
+            except LosslessError:
+                return {}
+    return {}
+
+
+def _run_tokenizer(model):
+    """The tokenizer of the run's model, or None where this machine cannot load it (no network needed)."""
+    from .models import load_tokenizer
+
+    if not isinstance(model, str) or not model:
+        return None
+    try:
+        return load_tokenizer(model)
+    except LosslessError:
+        return None
