@@ -44,8 +44,9 @@ from tqdm import tqdm
 from . import candidates as cands
 from .decoding import DecodeConfig, decode
 from .dtypes import dtype_name
-from .errors import LosslessError
+from .errors import LosslessError, not_utf8
 from .names import ATTN_KERNELS, positive_int
+from .paths import check_writable_dir, exclusive_lock, write_atomically
 from .model import OrthrusLM
 from .records import RecordStore, read_records, writer_name
 from .stats import first_divergence, levenshtein
@@ -58,9 +59,12 @@ RUN_FILE = "run.json"
 def load_suite(path: str | Path) -> list[dict]:
     """Prompts `{"id", "domain", "prompt"}` from JSONL lines or a JSON object {"domain": [prompts]}."""
     path = Path(path)
-    if not path.exists():
+    if not path.is_file():
         raise LosslessError(f"suite {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise not_utf8(path, exc, "suite") from None
     rows: list[dict] = []
     stripped = text.lstrip()
     if stripped.startswith("{") and path.suffix == ".json":
@@ -215,37 +219,66 @@ def portable_path(path: str | Path) -> str:
         return str(path)
 
 
+def read_run_file(run_dir: Path) -> dict | None:
+    """The run's run.json (None for a new run), or a one-line error when it is unreadable: a torn or emptied
+    file (an older version wrote it in place, so a full disk could empty it) must not mix two runs."""
+    path = Path(run_dir) / RUN_FILE
+    if not path.is_file():
+        if path.exists():
+            raise LosslessError(f"{path} is not a file: remove it, or choose another --out")
+        return None
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        info = exc
+    if not isinstance(info, dict) or not isinstance(info.get("config", {}), dict):
+        raise LosslessError(f"{path} is corrupt: restore it (e.g. `git checkout {path}`), or delete it and rerun the "
+                            "run's own command to write it anew; the records are kept")
+    return info
+
+
+def check_same_run(run_dir: Path, cfg: AuditConfig, old: dict | None = None) -> None:
+    """Refuse a run directory whose run.json holds another configuration (the head is checked once it is
+    loaded, in `open_run`). Writes nothing."""
+    old = read_run_file(run_dir) if old is None else old
+    if old is None:
+        return
+    old_cfg, mine = old.get("config", {}), asdict(cfg)
+    # the suite and head are identified by content hashes, so a moved checkout or a versioned head
+    # directory still resumes; a run made before heads were recorded adopts this one
+    skip = {"suite", "head", "head_digest"}
+    diff = sorted(k for k in mine if k not in skip and _recorded(old_cfg, k) != mine[k])
+    if diff:
+        raise LosslessError(
+            f"{run_dir} holds a run with a different configuration ({', '.join(diff)}); rerun its own command "
+            f"to resume (see {Path(run_dir) / RUN_FILE}) or choose another --out"
+        )
+
+
 def open_run(run_dir: Path, cfg: AuditConfig, planned: int, command: list[str]) -> None:
-    """Create run.json, or check that an existing one holds the same configuration and head."""
+    """Create run.json, or check that an existing one holds the same configuration and head. run.json is
+    replaced atomically: a full disk leaves the old file or none, never an empty one."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / RUN_FILE
     mine = asdict(cfg)
-    if path.exists():
-        old = json.loads(path.read_text())
+    old = read_run_file(run_dir)
+    if old is not None:
         old_cfg = old.get("config", {})
         if old_cfg.get("head_digest") and old_cfg["head_digest"] != cfg.head_digest:
             raise LosslessError(
                 f"{run_dir} was run with head {old_cfg['head_digest']}, not {cfg.head_digest}: one study keeps "
                 f"one head; pass --head with that head's directory, or choose another --out")
-        # the suite and head are identified by content hashes, so a moved checkout or a versioned head
-        # directory still resumes; a run made before heads were recorded adopts this one
-        skip = {"suite", "head", "head_digest"}
-        diff = sorted(k for k in mine if k not in skip and _recorded(old_cfg, k) != mine[k])
-        if diff:
-            raise LosslessError(
-                f"{run_dir} holds a run with a different configuration ({', '.join(diff)}); rerun its own command "
-                f"to resume (see {path}) or choose another --out"
-            )
+        check_same_run(run_dir, cfg, old)
         if not old_cfg.get("head_digest"):
             old.setdefault("config", {})["head_digest"] = cfg.head_digest
-            path.write_text(json.dumps(old, indent=2) + "\n")
+            write_atomically(path, json.dumps(old, indent=2) + "\n")
         return
     mine["suite"] = portable_path(cfg.suite)
     if cfg.head:
         mine["head"] = portable_path(cfg.head)
     info = {"config": mine, "planned": planned, "environment": environment(), "command": command,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    path.write_text(json.dumps(info, indent=2) + "\n")
+    write_atomically(path, json.dumps(info, indent=2) + "\n")
 
 
 _DEFAULTS = {"configs": None, "groups": None}  # fields added after the first runs: absent in old run.json means the default
@@ -260,14 +293,9 @@ def _recorded(old_cfg: dict, name: str):
 
 
 def pinned_head(run_dir: Path) -> str:
-    """The head digest a run directory is pinned to ('' for a new run)."""
-    path = run_dir / RUN_FILE
-    if not path.exists():
-        return ""
-    try:
-        return json.loads(path.read_text()).get("config", {}).get("head_digest", "")
-    except json.JSONDecodeError:
-        return ""
+    """The head digest a run directory is pinned to ('' for a new run; an unreadable run.json is refused)."""
+    info = read_run_file(run_dir)
+    return "" if info is None else info.get("config", {}).get("head_digest", "")
 
 
 # ------------------------------------------------------------------------------------------------ pairs
@@ -401,10 +429,17 @@ def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, comma
     """Run (or resume) an audit into `out`. `load(dtype, attn)` builds models (default: models.load_model).
 
     Records are rolled into a compressed segment every `roll_seconds` and when the run stops (finished,
-    interrupted or failed)."""
+    interrupted or failed).
+
+    Every setting, the suite, the run directory's run.json and whether the directory can be written are
+    checked before any model loads and before anything is written; then the writer takes an exclusive lock
+    on the directory (`.lock`, or `.lock-shard-i-of-n` per shard) for the whole run, so a second audit into
+    the same place is refused instead of computing the same pairs."""
     from .models import load_model
 
+    check_settings(cfg)
     cfg.dtypes = [dtype_name(d) for d in cfg.dtypes]
+    parse_shard(shard)
     launcher = None if shard else launcher_state()
     shard_t = parse_shard(shard) if launcher is None else (launcher.process_index, launcher.num_processes)
     suite = load_suite(cfg.suite)
@@ -418,6 +453,51 @@ def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, comma
         raise LosslessError(f"suite {cfg.suite} is empty after filtering")
     planned = sum(len(reference_kernels(a)) for _, _, a in work) * len(cfg.candidates)
     run_dir = Path(out)
+    check_same_run(run_dir, cfg)  # an unreadable run.json or another configuration: refused before any work
+    check_writable_dir(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    writer = writer_name(shard_t)
+    lock = run_dir / (LOCK_FILE if shard_t[1] == 1 else f"{LOCK_FILE}-{writer}")
+    what = run_dir if shard_t[1] == 1 else f"shard {shard_t[0]}/{shard_t[1]} of {run_dir}"
+    with exclusive_lock(lock, f"another audit is writing {what} (pid {{pid}}): wait for it or use another --out"):
+        return _run_locked(cfg, run_dir, suite, work, planned, shard_t, launcher, command, progress, load,
+                           roll_seconds)
+
+
+LOCK_FILE = ".lock"  # held by the writer of a run directory (one per shard: `.lock-shard-i-of-n`) while it runs
+
+
+def check_settings(cfg: AuditConfig) -> None:
+    """Refuse settings no audit can run with, before anything loads or is written."""
+    for option, value, least in (("--max-new-tokens", cfg.max_new_tokens, 1), ("--k", cfg.k, 1),
+                                 ("--limit-per-domain", cfg.limit_per_domain, 1), ("--groups", cfg.groups, 1)):
+        if value is None and option != "--max-new-tokens":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise LosslessError(f"{option} must be an integer >= {least}, got {value!r}")
+    for c in cfg.configs or []:
+        parse_config(c)
+
+
+def check_requests(model: OrthrusLM, cfg: AuditConfig, prompts: list[dict]) -> None:
+    """Refuse, once the first model is loaded and before run.json is written, a block size the head cannot
+    draft or a prompt whose response would run past the model's context."""
+    from .decoding import validate
+
+    if model.tokenizer is None or not prompts:
+        return
+    longest = max((encode_prompt(model.tokenizer, p["prompt"]) for p in prompts), key=len)
+    cycles = {"fused" if n == "orthrus-fused" else "two-pass" for n in cfg.candidates}
+    for cycle in sorted(cycles):
+        validate(model, longest, DecodeConfig(max_new_tokens=cfg.max_new_tokens, k=cfg.k, groups=cfg.groups,
+                                              cycle=cycle), "orthrus")
+
+
+def _run_locked(cfg: AuditConfig, run_dir: Path, suite: list[dict], work: list, planned: int,
+                shard_t: tuple[int, int], launcher, command, progress: bool, load, roll_seconds: float) -> dict:
+    """`run_audit`'s work, under the run directory's writer lock."""
+    from .models import load_model
+
     pinned = pinned_head(run_dir)
     head = cfg.head
     if pinned and load is None:
@@ -427,6 +507,8 @@ def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, comma
     first = work[0][1:]
     models[first] = load(*first)
     cfg.head_digest = getattr(models[first], "head_digest", "")
+    mine = [w for j, w in enumerate(work) if j % shard_t[1] == shard_t[0]]
+    check_requests(models[first], cfg, list({p["id"]: p for p, _, _ in mine}.values()))
     if launcher is None or launcher.is_main_process:
         open_run(run_dir, cfg, planned, command or sys.argv)
     if launcher is not None:
@@ -438,7 +520,6 @@ def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, comma
     machine = machine_id()
     known = _reusable(existing, machine)
     del existing
-    mine = [w for j, w in enumerate(work) if j % shard_t[1] == shard_t[0]]
 
     def missing(item) -> list[str]:
         """The candidates of an item still to run (an item's records are written together, per run)."""

@@ -9,12 +9,47 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 from .errors import LosslessError
 from .names import ATTN_KERNELS, CYCLES, DEFAULT_LOOKUP, DEFAULT_TREE, DTYPE_NAMES, MODES, check_cycle, check_tree
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's error style: one line `lossless: error: ...` and exit code 2, no usage block."""
+
+    def error(self, message: str):
+        message = " ".join(message.split())
+        self.exit(2, f"lossless: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _number(kind, option: str, *, at_least=None, above=None, at_most=None, note: str = ""):
+    """An argparse `type` for a numeric option: `kind` (int or float), finite, within the bounds. Nonsense
+    raises LosslessError, which the CLI prints as one line (exit 2) before anything loads."""
+    bounds = " and ".join(b for b in (f">= {at_least}" if at_least is not None else "",
+                                      f"> {above}" if above is not None else "",
+                                      f"<= {at_most}" if at_most is not None else "") if b)
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise LosslessError(f"{option} '{text}': expected {'an integer' if kind is int else 'a number'}") from None
+        if kind is float and not math.isfinite(value):
+            raise LosslessError(f"{option} must be a finite number, got {text}")
+        if (at_least is not None and value < at_least) or (above is not None and value <= above) \
+                or (at_most is not None and value > at_most):
+            raise LosslessError(f"{option} must be {bounds}{note}, got {text}")
+        return value
+
+    parse.__name__ = "integer" if kind is int else "number"
+    return parse
+
+
+SEED_MAX = 2**63 - 1  # what torch's generators take
 
 
 def _add_model_args(p: argparse.ArgumentParser, dtype: str = "fp32", *, head: bool = True, attn: bool = True,
@@ -43,7 +78,7 @@ def _add_cycle_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cycle", default="two-pass", choices=CYCLES,
                    help="orthrus cycle: two-pass (draft, then verify: two forwards, the authors' Orthrus) or fused "
                         "(one forward verifies a block and drafts the next)")
-    p.add_argument("--groups", type=int, default=None,
+    p.add_argument("--groups", type=_number(int, "--groups", at_least=1), default=None,
                    help="fused: draft groups per forward, for acceptance counts 0..groups-1 (default: all)")
 
 
@@ -85,12 +120,15 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _distill_inputs(args) -> tuple[str, list[dict]]:
-    """The prompt file and its prompts, checked against every evaluation set before any model loads."""
+def _distill_inputs(args, allow_empty: bool = False) -> tuple[str, list[dict]]:
+    """The prompt file and its prompts, checked against every evaluation set before any model loads.
+    An empty prompt file is refused unless `allow_empty` (training on --data alone)."""
     from . import distill, paths, reserved
 
     prompts_file = str(args.prompts or paths.TRAIN_PROMPTS)
     prompts = distill.read_prompts(prompts_file)
+    if not prompts and not allow_empty:
+        raise LosslessError(f"prompt file {prompts_file} holds no prompts: give JSONL lines {{\"prompt\": \"...\"}}")
     reserved.check_disjoint_all([p["prompt"] for p in prompts], skip={reserved.TRAINING_SET})
     return prompts_file, prompts
 
@@ -100,7 +138,12 @@ def cmd_distill(args) -> int:
     from .audit import launcher_state, parse_shard
     from .models import load_model
 
+    from .paths import check_writable_dir
+
     prompts_file, prompts = _distill_inputs(args)
+    parse_shard(args.shard)
+    distill.check_meta(args.out, args.model, args.dtype, args.max_new_tokens, prompts_file)
+    check_writable_dir(args.out)
     launcher = None if args.shard else launcher_state()
     shard = parse_shard(args.shard) if launcher is None else (launcher.process_index, launcher.num_processes)
     distill.open_distillation(args.out, args.model, args.dtype, args.max_new_tokens, prompts_file)
@@ -129,15 +172,12 @@ def cmd_train(args) -> int:
         publish=args.publish or "", position_weights=_floats(args.position_weights, "--position-weights"),
         init_head=args.init_head or "", draft_adapter=args.draft_adapter, adapter_lr_mult=args.adapter_lr_mult,
         eval_distill=args.eval_distill_dir or "", eval_sequences=args.eval_sequences)
-    if cfg.k < 2:
-        raise LosslessError("--k must be >= 2 to train a drafter")
-    if cfg.draft_adapter < 0:
-        raise LosslessError(f"--draft-adapter must be a rank >= 0, got {cfg.draft_adapter}")
+    training.check_config(cfg)
     out = Path(cfg.out)
     if (out / training.CHECKPOINT).exists() and not args.resume:
         raise LosslessError(f"{out} already holds a training run: add --resume to continue it, or choose another --out")
     # every input is checked before the model loads
-    _, prompts = _distill_inputs(args)
+    _, prompts = _distill_inputs(args, allow_empty=bool(cfg.data))
     if cfg.eval_prompts:
         paths.require(paths.HELDOUT_PROMPTS, "the held-out prompts")
     distill.text_files(cfg.data)
@@ -148,7 +188,6 @@ def cmd_train(args) -> int:
         distill.check_model(cfg.eval_distill, cfg.model)
         if cfg.eval_sequences < 1:
             raise LosslessError(f"--eval-sequences must be >= 1, got {cfg.eval_sequences}")
-    accelerator = Accelerator(cpu=args.device == "cpu")
     training.position_weights(cfg.k, cfg.position_decay, cfg.position_weights)  # refuse bad weights now
     if cfg.init_head:
         if args.resume:
@@ -156,6 +195,16 @@ def cmd_train(args) -> int:
         from .head import read_head_config
 
         read_head_config(cfg.init_head)
+    if args.resume:  # a truncated checkpoint, or nothing to resume from, is refused before the model loads
+        training.check_resume(cfg)
+    if not args.distill_dir:
+        distill.check_meta(distill.default_dir(cfg.model, cfg.prompts, cfg.max_new_tokens, cfg.dtype), cfg.model,
+                           cfg.dtype, cfg.max_new_tokens, cfg.prompts)
+    # every place the run writes is checked before any work: a read-only or full disk is found now, not at the
+    # first checkpoint (also for a run with nothing left to do)
+    training.check_outputs(cfg, distill_dir=None if args.distill_dir else
+                           distill.default_dir(cfg.model, cfg.prompts, cfg.max_new_tokens, cfg.dtype))
+    accelerator = Accelerator(cpu=args.device == "cpu")
     # the head to train starts untrained (copies of the AR weights), or from --init-head; never from a shipped
     # head by default
     model = load_model(cfg.model, cfg.dtype, str(accelerator.device), head="none", k=cfg.k)
@@ -212,19 +261,29 @@ def cmd_train(args) -> int:
 
 
 def _floats(text: str | None, option: str) -> list[float]:
-    """'0,1,1' -> [0.0, 1.0, 1.0]; None or '' -> []."""
+    """'0,1,1' -> [0.0, 1.0, 1.0]; None or '' -> []. Every number must be finite."""
     try:
-        return [float(x) for x in text.split(",")] if text else []
+        values = [float(x) for x in text.split(",")] if text else []
     except ValueError:
         raise LosslessError(f"{option} '{text}': expected comma-separated numbers, e.g. 0,1,1,1") from None
+    if not all(math.isfinite(v) for v in values):
+        raise LosslessError(f"{option} '{text}': every number must be finite")
+    return values
 
 
 def cmd_curve(args) -> int:
     from .curve import write_curve
+    from .errors import read_utf8
+    from .paths import check_writable_dir
 
     labels = args.labels.split(",") if args.labels else None
     if labels and len(labels) != len(args.logs):
         raise LosslessError(f"--labels names {len(labels)} curves for {len(args.logs)} logs; give one label per log")
+    for log in args.logs:
+        if not Path(log).is_file():
+            raise LosslessError(f"training log {log} does not exist: give the --log file of `lossless train`")
+        read_utf8(log, "training log")
+    check_writable_dir(args.out)
     curves = write_curve(args.logs, args.out, labels)
     print(json.dumps({label: {"evaluations": len(c["evaluations"]),
                               "last": c["evaluations"][-1]["heldout_tokens_per_step"], "trend": c["trend"]}
@@ -273,9 +332,16 @@ def cmd_audit(args) -> int:
 
 
 def cmd_report(args) -> int:
+    from .paths import check_writable_dir
+    from .records import RECORDS_DIR
     from .report import write_report
 
+    if not Path(args.run_dir).is_dir():
+        raise LosslessError(f"run directory {args.run_dir} does not exist: pass the --out directory of `lossless audit`")
     out = Path(args.out or args.run_dir)
+    check_writable_dir(out)
+    if args.at_rest and (Path(args.run_dir) / RECORDS_DIR).is_dir():
+        check_writable_dir(Path(args.run_dir) / RECORDS_DIR, "run directory")
     if args.at_rest:
         from .records import roll_all
 
@@ -283,6 +349,7 @@ def cmd_report(args) -> int:
             print(f"rolled unrolled records into {seg}")
     summary = write_report(args.run_dir, out, at_rest=args.at_rest)
     print(f"report: {out / 'report.md'}")
+    print(f"page: {out / 'report.html'} (open it in a browser: the trajectory viewer of every pair)")
     for c in summary["configs"]:
         lo, hi = c["ci95"]
         label = c["label"]
@@ -331,32 +398,39 @@ def cmd_eval(args) -> int:
 
 def cmd_tasks(args) -> int:
     from .evaltasks import write_tasks
+    from .paths import check_writable_dir
 
+    check_writable_dir(args.out)
     print(write_tasks(args.out))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lossless", description="Orthrus dual-view decoding, audited for exactness")
+    parser = _Parser(prog="lossless", description="Orthrus dual-view decoding, audited for exactness")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="decode one prompt with ar or orthrus")
     _add_model_args(g)
     g.add_argument("--mode", default="orthrus", choices=MODES, help="orthrus (draft + verify) or ar (one token per forward)")
-    g.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many generated tokens")
-    g.add_argument("--k", type=int, default=None, help="block size (default: the head's k; --cycle fused: at most 3)")
+    g.add_argument("--max-new-tokens", type=_number(int, "--max-new-tokens", at_least=1), default=128,
+                   help="stop after this many generated tokens")
+    g.add_argument("--k", type=_number(int, "--k", at_least=1), default=None, help="block size (default: the head's k; --cycle fused: at most 3)")
     _add_cycle_args(g)
-    g.add_argument("--tree", type=int, nargs="?", const=DEFAULT_TREE, default=0, metavar="NODES",
+    g.add_argument("--tree", type=_number(int, "--tree", at_least=0, note=" (0 = none)"), nargs="?", const=DEFAULT_TREE, default=0, metavar="NODES",
                    help=f"two-pass, greedy: verify a tree of NODES draft candidates (the top drafts and their runners-up; "
                         f"{DEFAULT_TREE} without a number) instead of one chain")
-    g.add_argument("--lookup", type=int, nargs="?", const=DEFAULT_LOOKUP, default=0, metavar="TOKENS",
+    g.add_argument("--lookup", type=_number(int, "--lookup", at_least=0, note=" (0 = none)"), nargs="?", const=DEFAULT_LOOKUP, default=0, metavar="TOKENS",
                    help=f"greedy: prompt lookup beside the drafts: copy up to TOKENS tokens that followed the "
                         f"context's last tokens where they occurred before ({DEFAULT_LOOKUP} without a number) and verify "
                         f"them too; a match of 2+ tokens is verified alone, without a draft pass")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = no filter)")
-    g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set with this mass (1 = no filter)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    g.add_argument("--temperature", type=_number(float, "--temperature", at_least=0, note=" (0 = greedy)"),
+                   default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=_number(int, "--top-k", at_least=0, note=" (0 = no top-k filter)"), default=0,
+                   help="sample from the k most likely tokens (0 = no filter)")
+    g.add_argument("--top-p", type=_number(float, "--top-p", above=0, at_most=1), default=1.0,
+                   help="sample from the smallest set with this mass (1 = no filter)")
+    g.add_argument("--seed", type=_number(int, "--seed", at_least=0, at_most=SEED_MAX), default=0,
+                   help="seed of the sampling generator")
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     g.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     g.add_argument("prompt", help="the text to continue")
@@ -366,8 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(d, "bf16", head=False, attn=False)
     d.add_argument("--prompts", default=None, help="JSONL prompts {id, prompt} (default: the shipped training prompts)")
     d.add_argument("--out", required=True, help="record directory (resumes; segments can be committed)")
-    d.add_argument("--max-new-tokens", type=int, default=128, help="length of each response")
-    d.add_argument("--batch", type=int, default=32, help="prompts per generate call")
+    d.add_argument("--max-new-tokens", type=_number(int, "--max-new-tokens", at_least=1), default=128,
+                   help="length of each response")
+    d.add_argument("--batch", type=_number(int, "--batch", at_least=1), default=32, help="prompts per generate call")
     d.add_argument("--shard", default=None, help="i/n: this process takes every n-th prompt from the i-th "
                                                   "(default: from the rank under accelerate launch, else all)")
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -376,49 +451,58 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a draft head by distillation (backbone frozen)")
     _add_model_args(t, head=False, attn=False)
     t.add_argument("--out", required=True, help="head directory to write (checkpoint + head files)")
-    t.add_argument("--k", type=int, default=8, help="block size")
+    t.add_argument("--k", type=_number(int, "--k", at_least=2, note=" to train a drafter"), default=8, help="block size")
     t.add_argument("--prompts", default=None, help="JSONL prompts for self-distillation (default: the shipped training prompts)")
     t.add_argument("--data", nargs="*", default=[], help="extra plain-text files/directories or JSONL with a 'text' field")
-    t.add_argument("--steps", type=int, default=1000, help="optimiser steps")
-    t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
-    t.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
+    t.add_argument("--steps", type=_number(int, "--steps", at_least=1), default=1000, help="optimiser steps")
+    t.add_argument("--lr", type=_number(float, "--lr", above=0), default=3e-4, help="peak learning rate")
+    t.add_argument("--warmup", type=_number(int, "--warmup", at_least=0), default=50, help="linear warm-up steps")
     t.add_argument("--loss", default="kl", choices=["kl", "ce"], help="KL(AR || draft) or cross-entropy on AR tokens")
-    t.add_argument("--seqs-per-step", type=int, default=4, help="training sequences per step")
-    t.add_argument("--anchors", type=int, default=16, help="blocks drafted per sequence per step")
-    t.add_argument("--save-every", type=int, default=100, help="write a checkpoint every this many steps")
-    t.add_argument("--eval-every", type=int, default=200, help="measure tokens per step on held-out prompts this often")
-    t.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts per evaluation (0 = none)")
-    t.add_argument("--max-new-tokens", type=int, default=128, help="length of self-distillation responses")
-    t.add_argument("--distill-batch", type=int, default=16, help="prompts per batch when generating responses")
+    t.add_argument("--seqs-per-step", type=_number(int, "--seqs-per-step", at_least=1), default=4,
+                   help="training sequences per step")
+    t.add_argument("--anchors", type=_number(int, "--anchors", at_least=1), default=16,
+                   help="blocks drafted per sequence per step")
+    t.add_argument("--save-every", type=_number(int, "--save-every", at_least=0, note=" (0 = only at the end)"),
+                   default=100, help="write a checkpoint every this many steps (0: only at the end)")
+    t.add_argument("--eval-every", type=_number(int, "--eval-every", at_least=0, note=" (0 = never)"), default=200,
+                   help="measure tokens per step on held-out prompts this often (0: never)")
+    t.add_argument("--eval-prompts", type=_number(int, "--eval-prompts", at_least=0, note=" (0 = none)"), default=4,
+                   help="held-out prompts per evaluation (0 = none)")
+    t.add_argument("--max-new-tokens", type=_number(int, "--max-new-tokens", at_least=1), default=128,
+                   help="length of self-distillation responses")
+    t.add_argument("--distill-batch", type=_number(int, "--distill-batch", at_least=1), default=16,
+                   help="prompts per batch when generating responses")
     t.add_argument("--distill-dir", default=None,
                    help="record directory of the responses (e.g. made by `lossless distill`; default: the user cache)")
-    t.add_argument("--eval-tokens", type=int, default=64, help="tokens per held-out prompt at each evaluation")
+    t.add_argument("--eval-tokens", type=_number(int, "--eval-tokens", at_least=1), default=64, help="tokens per held-out prompt at each evaluation")
     t.add_argument("--eval-distill-dir", default=None, metavar="DIR",
                    help="responses to held-out prompts (made by `lossless distill`): each evaluation also scores the "
                         "head teacher-forced on fixed blocks of them, and publishing follows that score")
-    t.add_argument("--eval-sequences", type=int, default=64, help="held-out sequences scored teacher-forced per evaluation "
+    t.add_argument("--eval-sequences", type=_number(int, "--eval-sequences", at_least=1), default=64, help="held-out sequences scored teacher-forced per evaluation "
                                                                  "(--anchors blocks each)")
     t.add_argument("--autocast", default="auto", choices=["auto", "bf16", "off"],
                    help="products in bf16 with fp32 head weights (auto: where the CPU multiplies bf16 natively, or CUDA)")
-    t.add_argument("--position-decay", type=float, default=1.0, help="loss weight of block position j: decay**j")
+    t.add_argument("--position-decay", type=_number(float, "--position-decay", above=0), default=1.0, help="loss weight of block position j: decay**j")
     t.add_argument("--position-weights", default=None,
                    help="loss weight per block position, k-1 comma-separated numbers (overrides --position-decay); "
                         "0,1,1,.. trains for the fused cycle, whose drafts start at block position 1")
-    t.add_argument("--mask-lr-mult", type=float, default=1.0, help="the mask embedding's learning rate / --lr")
+    t.add_argument("--mask-lr-mult", type=_number(float, "--mask-lr-mult", at_least=0), default=1.0, help="the mask embedding's learning rate / --lr")
     t.add_argument("--init-head", default=None,
                    help="start from this head's weights at its training step with a fresh optimiser (e.g. to compare "
                         "objectives from one head)")
-    t.add_argument("--draft-adapter", type=int, default=0, metavar="RANK",
+    t.add_argument("--draft-adapter", type=_number(int, "--draft-adapter", at_least=0, note=" (a rank; 0 = none)"),
+                   default=0, metavar="RANK",
                    help="train draft-only MLP adapters of this rank with the head (more capacity for the draft view; "
                         "the AR view is untouched); 0: none")
-    t.add_argument("--adapter-lr-mult", type=float, default=1.0, help="the draft adapters' learning rate / --lr")
+    t.add_argument("--adapter-lr-mult", type=_number(float, "--adapter-lr-mult", at_least=0), default=1.0, help="the draft adapters' learning rate / --lr")
     t.add_argument("--log", default=None, help="JSONL training log, rewritten at every checkpoint (e.g. under results/)")
     t.add_argument("--publish", default=None,
                    help="head directory written whenever held-out tokens per cycle beats every earlier evaluation")
     t.add_argument("--encoding", default="full", choices=["full", "delta_int8"], help="how the head is stored")
-    t.add_argument("--seed", type=int, default=0, help="seed of data order and anchors")
+    t.add_argument("--seed", type=_number(int, "--seed", at_least=0, at_most=SEED_MAX), default=0,
+                   help="seed of data order and anchors")
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    t.add_argument("--stop-at", type=int, default=None, help="leave after this step with a checkpoint (resume later)")
+    t.add_argument("--stop-at", type=_number(int, "--stop-at", at_least=1), default=None, help="leave after this step with a checkpoint (resume later)")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_train)
 
@@ -435,8 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--configs", default=None,
                    help="the plan instead of --dtypes x --attn: comma-separated dtype/attn[:prompts per domain], "
                         "run in this order, e.g. bf16/sdpa,fp32/sdpa,fp16/sdpa:20")
-    a.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
-    a.add_argument("--k", type=int, default=None, help="block size (default: the head's k; --cycle fused: at most 3)")
+    a.add_argument("--max-new-tokens", type=_number(int, "--max-new-tokens", at_least=1), default=128,
+                   help="tokens generated per prompt")
+    a.add_argument("--k", type=_number(int, "--k", at_least=1), default=None, help="block size (default: the head's k; --cycle fused: at most 3)")
     _add_cycle_args(a)
     a.add_argument("--candidates", default="orthrus",
                    help="comma-separated decoders compared with AR: orthrus, orthrus-fused, orthrus-tree, orthrus-lookup "
@@ -444,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "as drafter), prompt-lookup, self-assisted, hf-greedy, or module:function (a callable "
                         "(model, prompt_ids, max_new_tokens) -> token ids); --cycle fused turns orthrus into "
                         "orthrus-fused")
-    a.add_argument("--limit-per-domain", type=int, default=None, help="first N prompts of each domain")
+    a.add_argument("--limit-per-domain", type=_number(int, "--limit-per-domain", at_least=1), default=None, help="first N prompts of each domain")
     a.add_argument("--shard", default=None,
                    help="i/n: run every n-th item starting at i (default: the process's rank under accelerate "
                         "launch or torchrun, else everything)")
@@ -462,7 +547,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("probe", help="name the first op where a block pass differs from one-token-at-a-time")
     _add_model_args(pr, dtype="bf16")
-    pr.add_argument("--k", type=int, default=8, help="block size compared with single steps")
+    pr.add_argument("--k", type=_number(int, "--k", at_least=2, note=" to compare a block with single tokens"),
+                    default=8, help="block size compared with single steps")
     pr.add_argument("--all", action="store_true", help="list every op, not only the differing ones")
     pr.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     pr.add_argument("text", help="text whose last k tokens are compared")
@@ -472,9 +558,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(e, "bf16", dtype_list=True)
     e.add_argument("--tasks", default="humaneval,arith,capitals", help="comma-separated: humaneval, arith, capitals")
     e.add_argument("--modes", default="ar,orthrus", help=f"comma-separated decoding modes: {', '.join(MODES)}")
-    e.add_argument("--k", type=int, default=None, help="block size (default: the head's k; --cycle fused: at most 3)")
+    e.add_argument("--k", type=_number(int, "--k", at_least=1), default=None, help="block size (default: the head's k; --cycle fused: at most 3)")
     _add_cycle_args(e)
-    e.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
+    e.add_argument("--limit", type=_number(int, "--limit", at_least=1), default=None, help="items per task (default: all)")
     e.add_argument("--confirm-run-unsafe-code", action="store_true",
                    help="allow tasks that execute model-written code (humaneval)")
     e.add_argument("--out", required=True, help="output directory, e.g. runs/eval")
@@ -503,15 +589,68 @@ def with_optional_numbers(argv: list[str]) -> list[str]:
     return out
 
 
+def _output_places(args) -> list[Path]:
+    """The directories a command writes into (for messages, and to sweep its temporary files)."""
+    places = [getattr(args, name, None) for name in ("out", "run_dir", "publish")]
+    if getattr(args, "log", None):
+        places.append(str(Path(args.log).parent))
+    if args.command == "train" and not args.distill_dir:
+        from . import distill, paths
+
+        places.append(str(distill.default_dir(args.model, args.prompts or paths.TRAIN_PROMPTS, args.max_new_tokens,
+                                              args.dtype)))
+    return [Path(p) for p in places if p]
+
+
+def _rerun_advice(args) -> str:
+    """What to do once space is free: what a rerun of this command keeps."""
+    if args.command in ("audit", "distill", "eval"):
+        return "rerun: the run resumes where it stopped"
+    if args.command == "train":
+        from .training import CHECKPOINT
+
+        if (Path(args.out) / CHECKPOINT).exists():
+            return "rerun with --resume: training continues from the last checkpoint"
+    return "rerun"
+
+
+def _write_fault(args, exc: OSError) -> str:
+    """One line for a write the environment refused (full disk, read-only or foreign place), mid-run."""
+    from . import paths
+
+    places = _output_places(args)
+    where = exc.filename or (places[0] if places else "an output file")
+    line = paths.write_fault(where, exc)
+    if exc.errno in paths.DISK_FULL:
+        line = line.removesuffix("rerun") + _rerun_advice(args)
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     typed = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(with_optional_numbers(typed))
+    try:
+        args = build_parser().parse_args(with_optional_numbers(typed))
+    except LosslessError as exc:  # a numeric option's type refused its value
+        print(f"lossless: error: {exc}", file=sys.stderr)
+        return 2
     args.argv = typed  # what the user typed, for run records
     try:
         return int(args.func(args) or 0)
     except LosslessError as exc:
         print(f"lossless: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        from . import paths
+
+        if exc.errno not in paths.WRITE_FAULTS:
+            raise
+        for place in _output_places(args):  # a write that failed half-way keeps nothing worth keeping
+            paths.remove_own_temporaries(place)
+        print(f"lossless: error: {_write_fault(args, exc)}", file=sys.stderr)
+        return 2
+    except UnicodeDecodeError as exc:  # a reader that did not name its file
+        print(f"lossless: error: an input file is not UTF-8 text ({exc.reason} at byte {exc.start}): save it as UTF-8",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("lossless: interrupted", file=sys.stderr)

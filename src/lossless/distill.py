@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .errors import LosslessError
-from .jsonio import atomic_write, read_jsonl
+from .errors import LosslessError, not_utf8, read_utf8
+from .jsonio import read_jsonl
+from .paths import write_atomically
 from .model import OrthrusLM
 from .records import RecordStore, read_records, writer_name
 from .text import encode_prompt
@@ -38,7 +39,11 @@ def read_prompts(path: str | Path) -> list[dict]:
     """Prompts from JSONL lines `{"id"?, "prompt"}`; ids default to `<file stem>-<line>`."""
     path = Path(path)
     rows = []
-    for i, obj in enumerate(read_jsonl(path, what="prompt file"), 1):
+    try:
+        objs = read_jsonl(path, what="prompt file")
+    except UnicodeDecodeError as exc:
+        raise not_utf8(path, exc, "prompt file") from None
+    for i, obj in enumerate(objs, 1):
         if not isinstance(obj.get("prompt"), str):
             raise LosslessError(f"{path}: record {i}: expected a JSON object with a \"prompt\" field")
         rows.append({"id": str(obj.get("id", f"{path.stem}-{i}")), "prompt": obj["prompt"]})
@@ -64,20 +69,41 @@ def _sha(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
-def open_distillation(out_dir: str | Path, model: str, dtype: str, max_new_tokens: int, prompts: str | Path) -> dict:
-    """Write `meta.json` on first use; afterwards refuse a different set-up in the same directory."""
+def _read_meta_file(path: Path) -> dict:
+    """A `meta.json`, or a one-line error when it is unreadable (e.g. emptied by a full disk)."""
+    try:
+        meta = json.loads(read_utf8(path, "responses' meta file"))
+    except json.JSONDecodeError as exc:
+        meta = exc
+    if not isinstance(meta, dict):
+        raise LosslessError(f"{path} is corrupt (not a JSON object): delete it and rerun the `lossless distill` that made "
+                            "the directory; its responses are kept")
+    return meta
+
+
+def check_meta(out_dir: str | Path, model: str, dtype: str, max_new_tokens: int, prompts: str | Path) -> dict:
+    """The meta a set-up gives `out_dir`; refuses a directory holding responses of another set-up (or an
+    unreadable meta.json). Writes nothing."""
     out_dir = Path(out_dir)
     meta = {"model": Path(model).name, "dtype": dtype, "max_new_tokens": max_new_tokens,
             "prompts": Path(prompts).name, "prompts_sha256": _sha(prompts)}
     path = out_dir / META
-    if path.exists():
-        have = json.loads(path.read_text())
+    if path.is_file():
+        have = _read_meta_file(path)
         diff = [f"{k} {have.get(k)!r} != {v!r}" for k, v in meta.items() if have.get(k) != v]
         if diff:
             raise LosslessError(f"{out_dir} holds responses of another set-up ({'; '.join(diff)}); choose another directory")
-    else:
+    return meta
+
+
+def open_distillation(out_dir: str | Path, model: str, dtype: str, max_new_tokens: int, prompts: str | Path) -> dict:
+    """Write `meta.json` on first use; afterwards refuse a different set-up in the same directory."""
+    out_dir = Path(out_dir)
+    meta = check_meta(out_dir, model, dtype, max_new_tokens, prompts)
+    path = out_dir / META
+    if not path.is_file():
         out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, json.dumps(meta, indent=2) + "\n")
+        write_atomically(path, json.dumps(meta, indent=2) + "\n")
     return meta
 
 
@@ -85,7 +111,7 @@ def read_meta(out_dir: str | Path) -> dict:
     path = Path(out_dir) / META
     if not path.exists():
         raise LosslessError(f"{out_dir} holds no responses: make them with `lossless distill --out {out_dir}`")
-    return json.loads(path.read_text())
+    return _read_meta_file(path)
 
 
 def check_model(out_dir: str | Path, model: str) -> dict:
@@ -160,6 +186,8 @@ def text_files(paths: list[str]) -> list[Path]:
             files.append(p)
         else:
             raise LosslessError(f"--data {p}: no such file or directory")
+    for f in files:  # text that does not decode is refused now, not after the model has loaded
+        read_utf8(f, "--data file")
     return files
 
 
@@ -169,12 +197,16 @@ def text_records(paths: list[str], tokenizer, chunk: int = 256) -> list[dict]:
     for f in text_files(paths):
         if f.suffix == ".jsonl":
             texts = []
-            for i, obj in enumerate(read_jsonl(f, what="--data file"), 1):
+            try:
+                objs = read_jsonl(f, what="--data file")
+            except UnicodeDecodeError as exc:
+                raise not_utf8(f, exc, "--data file") from None
+            for i, obj in enumerate(objs, 1):
                 if not isinstance(obj.get("text"), str):
                     raise LosslessError(f"{f}: record {i}: expected a JSON object with a \"text\" field")
                 texts.append(obj["text"])
         else:
-            texts = [f.read_text(encoding="utf-8")]
+            texts = [read_utf8(f, "--data file")]
         for text in texts:
             ids = tokenizer(text)["input_ids"]
             for s in range(0, max(len(ids) - 8, 1), chunk):

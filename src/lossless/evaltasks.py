@@ -24,7 +24,8 @@ import string
 from pathlib import Path
 
 from .errors import LosslessError
-from .jsonio import atomic_write, jsonl_text
+from .jsonio import jsonl_text
+from .paths import write_atomically
 
 TASKS = {"humaneval": "lossless_humaneval", "arith": "lossless_arith", "capitals": "lossless_capitals"}
 UNSAFE = {"humaneval"}
@@ -234,7 +235,7 @@ from lossless.evaltasks import arith_results, capitals_results, humaneval_result
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    atomic_write(path, jsonl_text(rows, ensure_ascii=False))
+    write_atomically(path, jsonl_text(rows, ensure_ascii=False))
 
 
 def _yaml(task: str, files: dict[str, Path], body: str) -> str:
@@ -246,7 +247,7 @@ def write_tasks(out_dir: str | Path) -> Path:
     """Write every local task (data + YAML) into `out_dir` and return it (absolute)."""
     out = Path(out_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "utils.py").write_text(_UTILS)
+    write_atomically(out / "utils.py", _UTILS)
 
     try:
         he = humaneval_problems()
@@ -254,7 +255,7 @@ def write_tasks(out_dir: str | Path) -> Path:
         he = None
     if he is not None:
         _write_jsonl(out / "humaneval.jsonl", [{**p, "instruction": HUMANEVAL_INSTRUCTION} for p in he])
-        (out / "lossless_humaneval.yaml").write_text(_yaml("lossless_humaneval", {"test": out / "humaneval.jsonl"}, """\
+        write_atomically(out / "lossless_humaneval.yaml", _yaml("lossless_humaneval", {"test": out / "humaneval.jsonl"}, """\
 test_split: test
 output_type: generate_until
 unsafe_code: true
@@ -299,14 +300,14 @@ generation_kwargs:
 metadata:
   version: 1.0
 """
-    (out / "lossless_arith.yaml").write_text(_yaml(
+    write_atomically(out / "lossless_arith.yaml", _yaml(
         "lossless_arith", {"test": out / "arith_test.jsonl", "shots": out / "arith_shots.jsonl"},
         'doc_to_text: "Question: {{question}}\\nAnswer:"\nprocess_results: !function utils.arith_results\n' + qa_body))
 
     _write_jsonl(out / "capitals_test.jsonl", capitals_items())
     _write_jsonl(out / "capitals_shots.jsonl", [{"id": f"shot-{i}", "country": c, "answer": a, "aliases": []}
                                                 for i, (c, a) in enumerate(CAPITALS_SHOTS)])
-    (out / "lossless_capitals.yaml").write_text(_yaml(
+    write_atomically(out / "lossless_capitals.yaml", _yaml(
         "lossless_capitals", {"test": out / "capitals_test.jsonl", "shots": out / "capitals_shots.jsonl"},
         'doc_to_text: "Question: What is the capital of {{country}}?\\nAnswer:"\n'
         'process_results: !function utils.capitals_results\n' + qa_body))

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save
 from torch import nn
 
 from .errors import LosslessError
-from .jsonio import atomic_write
+from .paths import write_atomically
 
 FORMAT_VERSION = 1
 HEAD_WEIGHTS = "head.safetensors"
@@ -126,9 +126,10 @@ def save_head(path: str | Path, tensors: dict[str, torch.Tensor], config: HeadCo
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cpu = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
-    # through atomic_write: a reader never sees a torn file, and the file gets the usual permissions
-    atomic_write(path / HEAD_WEIGHTS, save(cpu, metadata={"format_version": str(config.format_version)}))
-    atomic_write(path / HEAD_CONFIG, json.dumps(asdict(config), indent=2) + "\n")
+    # atomically: a reader never sees a torn file, the file gets the usual permissions, and a full disk leaves
+    # no temporary file behind
+    write_atomically(path / HEAD_WEIGHTS, save(cpu, metadata={"format_version": str(config.format_version)}))
+    write_atomically(path / HEAD_CONFIG, json.dumps(asdict(config), indent=2) + "\n")
     return path
 
 
@@ -160,9 +161,9 @@ def read_head_config(path: str | Path) -> tuple[Path, HeadConfig]:
     if not weights.exists() or not cfg_file.exists():
         raise LosslessError(f"no head at {path}: expected {HEAD_WEIGHTS} and {HEAD_CONFIG} in that directory")
     try:
-        raw = json.loads(cfg_file.read_text())
+        raw = json.loads(cfg_file.read_bytes().decode("utf-8"))
         config = HeadConfig(**raw)
-    except (json.JSONDecodeError, TypeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
         raise LosslessError(f"corrupt head config {cfg_file}: {exc}; re-train or re-download the head") from None
     bad = _invalid_field(config)
     if bad:

@@ -2,9 +2,18 @@
 
 In a source checkout (an editable install) they are the checkout's `suites/`, `data/` and `heads/`; a
 wheel carries copies of the same files under `lossless/_shipped/` (see pyproject.toml), so an install
-finds them without the checkout. This module knows locations only, not file formats.
+finds them without the checkout.
+
+It also knows whether an output place can be written: `check_writable_dir` refuses, before any work, a
+directory on a read-only or full file system (or a file in its place); `write_atomically` writes a file in
+one step and leaves no temporary file when the disk fills up; `exclusive_lock` keeps a second process out of
+a directory another one is writing. It knows locations only, not file formats.
 """
 
+import contextlib
+import errno
+import fcntl
+import os
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -26,3 +35,123 @@ def require(path: Path, what: str) -> Path:
 
         raise LosslessError(f"{what} ({path}) is missing from this install: reinstall lossless, or pass the file")
     return path
+
+
+# ------------------------------------------------------------------------------- writing output places
+# errno values that mean "this place cannot take the write" rather than a bug: the disk (or quota) is full,
+# or the place is read-only or not ours. The CLI turns them into one line that says what to do.
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+NOT_WRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+WRITE_FAULTS = DISK_FULL | NOT_WRITABLE
+
+
+def write_fault(path: str | Path, exc: OSError, option: str = "--out") -> str:
+    """One line saying why `path` could not be written (`exc`, an OSError) and what to do about it."""
+    reason = exc.strerror or str(exc)
+    if exc.errno in DISK_FULL:
+        return f"no space left to write {path} ({reason}): free space and rerun"
+    if exc.errno == errno.EROFS:
+        return f"{path} is on a read-only file system: make it writable or choose another {option}"
+    return f"cannot write {path} ({reason}): fix its permissions or choose another {option}"
+
+
+def check_writable_dir(path: str | Path, option: str = "--out") -> Path:
+    """Refuse, before any work, an output directory that cannot be written: a file in its place, a
+    read-only or full file system, no permission. Missing directories are created for the check (a
+    probe file is written and removed) and removed again, so a refusal later leaves nothing behind."""
+    from .errors import LosslessError
+
+    path = Path(path)
+    existing, missing = path, []
+    while not existing.exists():
+        if existing.is_symlink():
+            raise LosslessError(f"{option} {path}: {existing} is a broken symbolic link; remove it or choose another "
+                                f"{option}")
+        missing.append(existing)
+        existing = existing.parent
+    if not existing.is_dir():
+        what = path if existing == path else existing
+        raise LosslessError(f"{option} {path}: {what} is a file, not a directory; choose another {option}")
+    created: list[Path] = []
+    probe = path / f".lossless-write-check.{os.getpid()}"
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            created.append(d)
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"\0" * 4096)
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            probe.unlink(missing_ok=True)
+    except OSError as exc:
+        raise LosslessError(write_fault(path, exc, option)) from None
+    finally:
+        for d in reversed(created):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+    return path
+
+
+def write_atomically(path: str | Path, data: str | bytes) -> Path:
+    """`jsonio.atomic_write`, but a failed write (a full disk) leaves no temporary file behind, and the
+    error names `path`."""
+    from .jsonio import atomic_write
+
+    path = Path(path)
+    try:
+        return atomic_write(path, data)
+    except OSError as exc:
+        own_temporary(path).unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+
+
+def own_temporary(path: str | Path) -> Path:
+    """The temporary file `jsonio.atomic_write` writes `path` through in this process."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def remove_own_temporaries(directory: str | Path) -> None:
+    """Delete the temporary files this process's atomic writes left under `directory` (a write that failed
+    half-way, e.g. on a full disk): nothing of them is worth keeping, and they keep the disk full."""
+    directory = Path(directory)
+    if directory.is_dir():
+        for tmp in directory.rglob(f".*.{os.getpid()}.tmp"):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | Path, busy: str):
+    """Hold an exclusive `flock` on the file `path` (created, holding this process's id) for the block, or
+    raise LosslessError(busy.format(pid=the holder's id)) at once when another process holds it. The file
+    is removed when the block ends."""
+    from .errors import LosslessError
+
+    path = Path(path)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode("ascii", errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise LosslessError(busy.format(pid=holder)) from None
+        try:  # the holder may have removed the file between our open and our lock: lock the new one then
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        with contextlib.suppress(OSError):  # the pid is for the message only
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()  # under the lock: a process waiting on the old file sees it gone and retries
+        os.close(fd)

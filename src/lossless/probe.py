@@ -149,6 +149,9 @@ def probe(model: OrthrusLM, ids: list[int], k: int = 8) -> ProbeResult:
         raise LosslessError("--k must be >= 2 to compare a block with single tokens")
     if len(ids) < k + 1:
         raise LosslessError(f"the text has {len(ids)} tokens; the probe needs at least k + 1 = {k + 1}")
+    if len(ids) > model.max_positions:  # past the context the positions are extrapolated: not the model's numerics
+        raise LosslessError(f"the text has {len(ids)} tokens, more than the model's context of {model.max_positions}: "
+                            "shorten it")
     prefix, block = ids[:-k], ids[-k:]
     ref: list = [None]
     block_rec, single_rec = _Recorder(), _Recorder()

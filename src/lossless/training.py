@@ -34,8 +34,10 @@ This module does not generate the distillation data (see `distill.py`) or parse 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
+import os
 import random
 import signal
 import sys
@@ -50,9 +52,10 @@ from torch import nn
 from tqdm import tqdm
 
 from .dualview import DraftSpec, additive_mask, block_visibility, chunked_block_masks
-from .errors import LosslessError
-from .jsonio import atomic_write, jsonl_text, read_jsonl
+from .errors import LosslessError, not_utf8
+from .jsonio import jsonl_text, read_jsonl
 from .model import OrthrusLM
+from .paths import check_writable_dir, write_atomically
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -90,6 +93,87 @@ class TrainConfig:
     init_head: str = ""  # start from this head's weights at its training step (fresh optimiser), e.g. an arm
     draft_adapter: int = 0  # rank of draft-only MLP adapters to train with the head (0: none)
     adapter_lr_mult: float = 1.0  # the draft adapters' learning rate, as a multiple of lr
+
+
+# (field, least value, whether the value must exceed it): what a run can be made of
+_LIMITS = (("k", 2, False), ("steps", 1, False), ("lr", 0, False), ("warmup", 0, False), ("seqs_per_step", 1, False),
+           ("anchors", 1, False), ("save_every", 0, False), ("eval_every", 0, False), ("eval_prompts", 0, False),
+           ("eval_tokens", 1, False), ("eval_sequences", 1, False), ("max_new_tokens", 1, False),
+           ("distill_batch", 1, False), ("position_decay", 0, True), ("mask_lr_mult", 0, False),
+           ("draft_adapter", 0, False), ("adapter_lr_mult", 0, False))
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Refuse a configuration that cannot train a head (no steps, no sequences, a NaN or negative learning
+    rate, ...) before anything loads or is written. The option named is the CLI's."""
+    for name, least, strict in _LIMITS:
+        value = getattr(cfg, name)
+        option = "--" + name.replace("_", "-")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value < least or (strict and value == least):
+            raise LosslessError(f"{option} must be {'>' if strict else '>='} {least}, got {value}")
+    if cfg.loss not in ("kl", "ce"):
+        raise LosslessError(f"unknown loss '{cfg.loss}': choose kl or ce")
+    if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in cfg.position_weights):
+        raise LosslessError("--position-weights must be finite numbers")
+
+
+def check_outputs(cfg: TrainConfig, distill_dir: str | Path | None = None) -> None:
+    """Every place a run writes (its --out, --publish, --log's directory, the responses' directory), checked
+    writable before any work, so a read-only or full disk is refused now rather than at the first save."""
+    if cfg.log and Path(cfg.log).is_dir():
+        raise LosslessError(f"--log {cfg.log} is a directory: give a file name, e.g. {Path(cfg.log) / 'train_log.jsonl'}")
+    check_writable_dir(cfg.out)
+    if cfg.publish:
+        check_writable_dir(cfg.publish, "--publish")
+    if cfg.log:
+        check_writable_dir(Path(cfg.log).parent, "--log")
+    if distill_dir is not None:
+        check_writable_dir(distill_dir, "$LOSSLESS_CACHE")
+
+
+CHECKPOINT_KEYS = ("step", "head", "optimizer", "scheduler", "history")
+
+
+def _corrupt_checkpoint(path: Path, why: str) -> LosslessError:
+    return LosslessError(f"corrupt checkpoint {path} ({why}): delete it to continue from the published head "
+                         "(--publish), or start the run anew")
+
+
+def check_checkpoint(path: str | Path) -> None:
+    """Refuse a truncated or foreign checkpoint file cheaply (its archive's CRCs), without unpickling it."""
+    import zipfile
+
+    path = Path(path)
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
+        raise _corrupt_checkpoint(path, str(exc) or type(exc).__name__) from None
+    if bad is not None:
+        raise _corrupt_checkpoint(path, f"{bad} fails its checksum")
+
+
+def read_checkpoint(path: str | Path) -> dict:
+    """A training checkpoint, or a one-line error naming it when it is truncated or not one."""
+    path = Path(path)
+    check_checkpoint(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError, ... for a torn file
+        raise _corrupt_checkpoint(path, str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__) from None
+    if not isinstance(state, dict) or any(k not in state for k in CHECKPOINT_KEYS):
+        raise _corrupt_checkpoint(path, "not a `lossless train` checkpoint")
+    return state
+
+
+def check_resume(cfg: TrainConfig) -> None:
+    """`--resume` has something to continue from: a readable checkpoint, else a head this run published."""
+    ckpt = Path(cfg.out) / CHECKPOINT
+    if ckpt.exists():
+        check_checkpoint(ckpt)
+    else:
+        _published_step(cfg)
 
 
 def position_weights(k: int, decay: float = 1.0, weights: list[float] | tuple = ()) -> torch.Tensor:
@@ -342,10 +426,8 @@ def heldout_tokens_per_step(model: OrthrusLM, prompt_ids: list[list[int]], max_n
     return heldout_eval(model, prompt_ids, max_new_tokens, k)[0]
 
 
-def continue_from_published(model: OrthrusLM, cfg: TrainConfig) -> tuple[int, list[dict]]:
-    """Where `--resume` goes without a checkpoint (a new machine: checkpoints are not committed): the head
-    this run last published, at its step, with the run's log up to that step. Only a head published by
-    this very run (same log) counts. Returns (step, history)."""
+def _published_step(cfg: TrainConfig) -> tuple[int, list[dict]]:
+    """The step and log history of the head this run published (`continue_from_published`), read without a model."""
     from . import head as headfile
 
     head_json = Path(cfg.publish) / "head.json" if cfg.publish else None
@@ -354,9 +436,21 @@ def continue_from_published(model: OrthrusLM, cfg: TrainConfig) -> tuple[int, li
         raise LosslessError(f"--resume: no checkpoint at {Path(cfg.out) / CHECKPOINT} and no head published by this "
                             "run (--publish, with the same --log); start without --resume")
     step = int(training["step"])
-    history = [h for h in read_jsonl(cfg.log, what="training log") if h["step"] <= step]
+    try:
+        logged = read_jsonl(cfg.log, what="training log")
+    except UnicodeDecodeError as exc:
+        raise not_utf8(cfg.log, exc, "training log") from None
+    history = [h for h in logged if isinstance(h.get("step"), int) and h["step"] <= step]
     if len(history) != step:
         raise LosslessError(f"--resume: {cfg.log} does not hold the {step} steps of the published head; start anew")
+    return step, history
+
+
+def continue_from_published(model: OrthrusLM, cfg: TrainConfig) -> tuple[int, list[dict]]:
+    """Where `--resume` goes without a checkpoint (a new machine: checkpoints are not committed): the head
+    this run last published, at its step, with the run's log up to that step. Only a head published by
+    this very run (same log) counts. Returns (step, history)."""
+    step, history = _published_step(cfg)
     model.load_head(cfg.publish)
     print(f"note: no checkpoint in {cfg.out}; continuing from the head published at step {step} "
           "(the optimiser state restarts)", file=sys.stderr)
@@ -397,6 +491,7 @@ def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list
     time-box a session and `--resume` later."""
     from accelerate import Accelerator
 
+    check_config(cfg)
     accelerator = accelerator or Accelerator(cpu=model.device.type == "cpu")
     out = Path(cfg.out)
     torch.manual_seed(cfg.seed)
@@ -421,7 +516,7 @@ def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list
     start_step = 0
     ckpt_path = out / CHECKPOINT
     if resume and ckpt_path.exists():
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        state = read_checkpoint(ckpt_path)
         if set(state["head"]) != set(head):
             trained = state["config"].get("draft_adapter", 0)
             raise LosslessError(f"--resume: the run in {out} trains a head with draft adapters of rank {trained}; "
@@ -475,12 +570,10 @@ def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list
         state = {"step": step, "head": {n: p.detach().cpu().clone() for n, p in model.head_parameters().items()},
                  "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                  "config": asdict(cfg), "history": history}
-        tmp = out / (CHECKPOINT + ".tmp")
-        torch.save(state, tmp)
-        tmp.replace(ckpt_path)
+        save_checkpoint(state, ckpt_path)
         model.save_head(out, training={**asdict(cfg), "step": step, "history": history[-5:]}, encoding=cfg.encoding)
         if cfg.log:
-            atomic_write(cfg.log, jsonl_text(history))
+            write_atomically(cfg.log, jsonl_text(history))
 
     def publish(step: int) -> None:
         if accelerator.is_main_process and cfg.publish:
@@ -559,5 +652,26 @@ def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list
             "tokens": tokens - tokens_at_start, "out": str(out)}
 
 
+def save_checkpoint(state: dict, path: str | Path) -> None:
+    """Write a checkpoint through `<path>.tmp` and a rename: the old checkpoint stays whole until the new one
+    is, and a failed write (a full disk) removes the temporary file instead of leaving it to fill the disk.
+    The state is serialised in memory first, so a write error is an OSError naming the file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and not exc.filename:
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise
+
+
 def write_summary(out: str | Path, summary: dict) -> None:
-    atomic_write(Path(out, "train_summary.json"), json.dumps(summary, indent=2) + "\n")
+    write_atomically(Path(out, "train_summary.json"), json.dumps(summary, indent=2) + "\n")
