@@ -16,8 +16,10 @@ Does not know: how the model answers a request (`harness.py`), how tasks are bui
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +28,9 @@ from .dtypes import dtype_name
 from .errors import LosslessError
 from .evalreport import summarise
 from .evaltasks import TASKS, UNSAFE, resolve_tasks, short_name, write_tasks
-from .jsonio import atomic_write, jsonl_text
+from .jsonio import jsonl_text
 from .names import MODES
+from .paths import check_writable_dir, write_atomically
 
 CHAT_TASKS = {"lossless_humaneval"}  # asked in the instruct model's chat template; the rest are few-shot text
 
@@ -85,7 +88,11 @@ def run_eval(cfg: EvalConfig, out: str | Path, command: list[str] | None = None,
                             "pass --confirm-run-unsafe-code to allow it")
     if cfg.limit is not None and cfg.limit < 1:
         raise LosslessError(f"--limit must be at least 1, got {cfg.limit}")
-    out = Path(out)
+    if cfg.k is not None and cfg.k < 1:
+        raise LosslessError(f"--k must be >= 1, got {cfg.k}")
+    if cfg.groups is not None and cfg.groups < 1:
+        raise LosslessError(f"--groups must be >= 1, got {cfg.groups}")
+    out = check_writable_dir(out)  # before any work, also when every item is cached already
     out.mkdir(parents=True, exist_ok=True)
     task_dir = write_tasks(out / "tasks")
     cmd_file, cmd = out / "command.txt", " ".join(command or sys.argv)
@@ -93,14 +100,57 @@ def run_eval(cfg: EvalConfig, out: str | Path, command: list[str] | None = None,
         with cmd_file.open("a") as f:  # several processes (e.g. one per dtype) may share a directory
             f.write(cmd + "\n")
 
-    import lm_eval
     from lm_eval.tasks import TaskManager
+
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    manager = TaskManager(include_path=str(task_dir))
+    with quiet_harness(progress):
+        _run_grid(cfg, out, manager, tasks, cmd, progress)
+    return summarise(out)
+
+
+def _git_commit_hash() -> str | None:
+    """lm-eval's record of the working directory's git commit, without git's complaint on stderr outside a
+    repository (lm-eval runs `git describe` with stderr inherited)."""
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    try:
+        done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=True)
+        return done.stdout.strip()
+    except (subprocess.CalledProcessError, FileNotFoundError, OSError):
+        return get_commit_from_path(Path.cwd())
+
+
+@contextlib.contextmanager
+def quiet_harness(progress: bool):
+    """What the harness prints on its own while it runs: never git's stderr; without `progress`, no progress
+    bars either (lm-eval's request building and cache checks, the datasets library's split generation), all
+    of which are tqdm bars that lm-eval gives no switch for."""
+    import tqdm.std
+    from lm_eval import evaluator
+
+    original_git, original_init = evaluator.get_git_commit_hash, tqdm.std.tqdm.__init__
+    evaluator.get_git_commit_hash = _git_commit_hash
+    if not progress:
+        def silent_init(self, *args, **kwargs):
+            kwargs["disable"] = True
+            original_init(self, *args, **kwargs)
+
+        tqdm.std.tqdm.__init__ = silent_init
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = original_git
+        tqdm.std.tqdm.__init__ = original_init
+
+
+def _run_grid(cfg: EvalConfig, out: Path, manager, tasks: list[str], cmd: str, progress: bool) -> None:
+    """Every (dtype, task, mode) through the harness, each run's files written as it finishes."""
+    import lm_eval
     from lm_eval.utils import handle_non_serializable
 
     from .harness import LosslessLM
 
-    logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    manager = TaskManager(include_path=str(task_dir))
     for dtype in cfg.dtypes:
         lm = LosslessLM(model=cfg.model, mode=cfg.modes[0], dtype=dtype, attn=cfg.attn, head=cfg.head, k=cfg.k,
                         cycle=cfg.cycle, groups=cfg.groups, device=cfg.device, progress=progress)
@@ -116,15 +166,14 @@ def run_eval(cfg: EvalConfig, out: str | Path, command: list[str] | None = None,
                     use_cache=str(out / "cache" / f"{short_name(task)}_{label}_{dtype}"),
                     bootstrap_iters=1000, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
                 samples = res.pop("samples", {}).get(task, [])
-                atomic_write(run / f"samples_{short_name(task)}.jsonl",
+                write_atomically(run / f"samples_{short_name(task)}.jsonl",
                              jsonl_text(samples, default=handle_non_serializable, ensure_ascii=False))
                 res["lossless"] = {"model": cfg.model, "mode": label, "cycle": cfg.cycle, "dtype": dtype,
                                    "attn": cfg.attn, "limit": cfg.limit, "k": lm.block_size,
                                    "chat_template": task in CHAT_TASKS, "command": cmd}
-                atomic_write(run / f"results_{short_name(task)}.json",
-                             json.dumps(res, default=handle_non_serializable, indent=1))
+                write_atomically(run / f"results_{short_name(task)}.json",
+                                 json.dumps(res, default=handle_non_serializable, indent=1))
                 summarise(out)
-    return summarise(out)
 
 
 def parse_dtype_list(text: str) -> list[str]:
