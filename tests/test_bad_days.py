@@ -32,8 +32,20 @@ def _mount(*args: str) -> bool:
     return subprocess.run(["mount", *args], capture_output=True).returncode == 0
 
 
+def _mounted(path: Path) -> bool:
+    """Whether something is mounted at `path` (a bind mount too, which os.path.ismount does not see)."""
+    try:
+        with open("/proc/self/mounts") as f:
+            return any(line.split()[1] == str(path) for line in f)
+    except OSError:
+        return os.path.ismount(path)
+
+
 def _umount(path: Path) -> None:
-    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+    """Unmount everything mounted at `path`."""
+    while _mounted(path):
+        if subprocess.run(["umount", "-l", str(path)], capture_output=True).returncode:
+            break
 
 
 @contextlib.contextmanager
@@ -46,9 +58,7 @@ def tmpfs(path: Path, size: str = "64k"):
     try:
         yield path
     finally:
-        while os.path.ismount(path):  # a test may have mounted over it again (remount keeps one mount)
-            if subprocess.run(["umount", "-l", str(path)], capture_output=True).returncode:
-                break
+        _umount(path)
 
 
 def fill(path: Path, free_pages: int = 0) -> Path:
@@ -88,8 +98,7 @@ def places(tmp_path_factory):
         try:
             yield {"full": full, "ro": ro, "real": real_full and real_ro}
         finally:
-            if os.path.ismount(ro):
-                _umount(ro)
+            _umount(ro)
 
 
 @pytest.fixture
@@ -490,7 +499,7 @@ def test_a_full_disk_during_training_removes_the_temporary_checkpoint(d, tmp_pat
         rc = run_cli(argv)
         line = assert_one_line_error(rc, *capsys.readouterr(), "no space left")
         assert not [p for p in disk.rglob("*") if p.name.endswith(".tmp")]  # the disk is not kept full
-        if os.path.ismount(disk):
+        if _mounted(disk):
             subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)
         else:
             monkeypatch.undo()
