@@ -17,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .errors import LosslessError
+from .jsonio import atomic_write
 from .records import read_records, record_files
 from .stats import logistic_regression, wilson_interval
 
@@ -619,8 +620,8 @@ def write_report(run_dir, out_dir=None, at_rest: bool = False, html: bool = True
     if at_rest:  # which committed segments this summary was built from, so it can be rebuilt from exactly them
         summary["record_segments"] = [f.name for f in record_files(run_dir, at_rest=True)]
     markdown = _markdown(summary, run_dir, run_info, plots)
-    (out / "report.md").write_text(markdown, encoding="utf-8")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    atomic_write(out / "report.md", markdown)  # a full disk leaves the old file, never half of a new one
+    atomic_write(out / "summary.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")
     if html:
         write_page(out, records, run_info, markdown, plots, tokenizer)
     return summary
