@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import torch
 
 import lossless
-from lossless.decoding import commit_cache
+from lossless.decoding.loop import commit_cache
 from lossless.errors import LosslessError
 
 
@@ -47,7 +47,7 @@ def labelled_exact_kernels():
     """Exact mode's compiled kernels under profiler labels (they are not aten ops), for `profile_ops`."""
     from torch.profiler import record_function
 
-    from lossless import kernels
+    from lossless.decoding import kernels
 
     saved = {name: getattr(kernels, name) for name in ("linear", "attention", "rms_norm", "silu")}
 

@@ -18,9 +18,9 @@ import torch
 
 import lossless
 from lossless import paths
-from lossless.distill import read_prompts
+from lossless.training.distill import read_prompts
 from lossless.text import encode_prompt
-from lossless.training import CHECKPOINT
+from lossless.training.train import CHECKPOINT
 
 
 def tokens_per_step(model, encoded, max_new_tokens):

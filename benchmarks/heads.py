@@ -6,7 +6,7 @@ For every head (greedy decoding on one loaded backbone, heads swapped in turn):
 - two-pass with a candidate tree (`--tree`, default 16 nodes): tokens per cycle;
 - fused (k=3, a group for every acceptance count): tokens per forward, prefill included;
 - with `--forced DIR` (responses to prompts no compared head trained on, made by `lossless distill`):
-  tokens per cycle teacher-forced on fixed blocks of those sequences (`lossless.training.forced_eval`),
+  tokens per cycle teacher-forced on fixed blocks of those sequences (`lossless.training.train.forced_eval`),
   thousands of cycles on the same blocks for every head, so small differences between heads show.
 
 Prompts: by default the held-out prompts that neither the speed benchmark (the first 6) nor head
@@ -34,9 +34,9 @@ from scipy import stats
 
 import lossless
 from lossless import paths
-from lossless.distill import read_prompts
+from lossless.training.distill import read_prompts
 from lossless.errors import LosslessError
-from lossless.head import read_head_config
+from lossless.decoding.head import read_head_config
 from lossless.text import encode_prompt
 
 
@@ -60,7 +60,7 @@ def acceptance_rates(hist: list[int]) -> list[float]:
 
 def forced(model, blocks: list[tuple[list[int], list[int]]]) -> dict:
     """Teacher-forced tokens per cycle on the held-out blocks: overall and per sequence."""
-    from lossless.training import DistillLoss, forced_accepted, tokens_per_cycle
+    from lossless.training.train import DistillLoss, forced_accepted, tokens_per_cycle
 
     loss = DistillLoss(model, model.k)
     per_seq, hist = [], torch.zeros(model.k, dtype=torch.long)
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
             raise LosslessError(f"--prompts '{args.prompts}' selects no held-out prompt")
         held = []
         if args.forced:
-            from lossless.distill import check_model, load_records
+            from lossless.training.distill import check_model, load_records
 
             check_model(args.forced, args.model)
             held = load_records(args.forced)
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         print(f"heads: error: {exc}", file=sys.stderr)
         return 2
     prompts = [encode_prompt(model.tokenizer, p["prompt"]) for p in chosen]
-    from lossless.training import forced_blocks
+    from lossless.training.train import forced_blocks
 
     blocks = forced_blocks(held, args.forced_sequences, model.k, args.forced_anchors) if held else []
     results: dict[str, dict] = {}

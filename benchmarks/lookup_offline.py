@@ -2,7 +2,7 @@
 
 For every record of one configuration (default bf16/sdpa, the Orthrus candidate), this walks the reference
 response cycle by cycle with the Orthrus chain's own acceptance counts (up to the first divergence, where
-the two trajectories are still one) and asks, at each cycle start, what `lossless.decoding.lookup_proposal`
+the two trajectories are still one) and asks, at each cycle start, what `lossless.decoding.loop.lookup_proposal`
 would copy from the prompt (chat template applied, as the audit decodes it) and the response so far:
 
 - how often the context's last 3 / 2 / 1 tokens occurred before, and how often the first copied token is right;
@@ -27,11 +27,11 @@ import sys
 from collections import Counter, defaultdict
 
 import lossless
-from lossless.decoding import LOOKUP_ALONE, lookup_proposal
-from lossless.distill import load_records
+from lossless.decoding.loop import LOOKUP_ALONE, lookup_proposal
+from lossless.training.distill import load_records
 from lossless.errors import LosslessError
 from lossless.jsonio import read_jsonl
-from lossless.records import read_records
+from lossless.study.records import read_records
 from lossless.text import encode_prompt
 
 

@@ -35,7 +35,7 @@ import torch
 
 import lossless
 from lossless import paths
-from lossless.distill import read_prompts
+from lossless.training.distill import read_prompts
 from lossless.errors import LosslessError
 from lossless.jsonio import read_jsonl
 from lossless.names import DEFAULT_LOOKUP, DEFAULT_TREE, EXACT, positive_int

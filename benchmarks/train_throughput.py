@@ -24,10 +24,10 @@ import torch
 
 import lossless
 from lossless import paths
-from lossless.distill import read_prompts
+from lossless.training.distill import read_prompts
 from lossless.errors import LosslessError
 from lossless.text import encode_prompt
-from lossless.training import CHUNK_BLOCKS, DistillLoss, FrozenCast, choose_anchors, resolve_autocast, step_rng
+from lossless.training.train import CHUNK_BLOCKS, DistillLoss, FrozenCast, choose_anchors, resolve_autocast, step_rng
 
 
 def parse_settings(text: str) -> list[tuple[str, int, int | None]]:
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     for row in rows:
         print(f"{row['autocast']:>8} {row['anchors']:>7} {row['k']:>3} {row['chunk_blocks']:>6} {row['seconds_per_step']:>8.2f} {row['tokens_per_second']:>9.1f} "
               f"{row['positions_per_second']:>12.1f} {row['positions_per_second'] / base:>8.2f}x")
-    from lossless.audit import machine_id
+    from lossless.study.audit import machine_id
 
     print(json.dumps({"machine": machine_id(), "seqs": args.seqs, "length": args.length,
                       "settings": rows}))

@@ -34,8 +34,8 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from lossless.distill import normalise  # noqa: E402
-from lossless.reserved import check_disjoint_all, reserved_filter  # noqa: E402
+from lossless.training.distill import normalise  # noqa: E402
+from lossless.training.reserved import check_disjoint_all, reserved_filter  # noqa: E402
 
 SEED = 20260501
 PER_DOMAIN = 900

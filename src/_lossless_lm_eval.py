@@ -2,7 +2,7 @@
 
 `lossless-lm-eval.pth` (installed next to this file) calls `install()` when Python starts. It only adds
 a finder to `sys.meta_path`: when `lm_eval.models` is first imported, "lossless" is registered as a lazy
-entry (`lossless.harness:LosslessLM`), so torch and the model load only if that model is asked for.
+entry (`lossless.evaluation.harness:LosslessLM`), so torch and the model load only if that model is asked for.
 """
 
 import importlib.abc
@@ -10,7 +10,7 @@ import importlib.machinery
 import sys
 
 NAME = "lossless"
-TARGET = "lossless.harness:LosslessLM"
+TARGET = "lossless.evaluation.harness:LosslessLM"
 
 
 def register() -> None:

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from lossless.decoding import DecodeConfig, decode
-from lossless.model import OrthrusLM
+from lossless.decoding.loop import DecodeConfig, decode
+from lossless.decoding.model import OrthrusLM
 
 # The tiny models are dominated by per-op overhead; with several intra-op threads on a busy machine the
 # OpenMP barriers can make a single forward 100x slower. One thread keeps the suite fast and steady.

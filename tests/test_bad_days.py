@@ -9,6 +9,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -16,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
-import lossless.models
+import lossless.decoding.models
 import lossless.paths
 from conftest import save_tiny_model_dir, tiny_orthrus
 from lossless.cli import main
+from lossless.jsonio import read_jsonl
 
 PROMPT = "w1 w5 w9 w3"
 PAGE = 4096
@@ -166,8 +168,8 @@ def no_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise ReachedLoading
 
-    monkeypatch.setattr(lossless.models, "_load_hf", refuse)
-    monkeypatch.setattr(lossless.models, "embedded_model_dir", refuse)
+    monkeypatch.setattr(lossless.decoding.models, "_load_hf", refuse)
+    monkeypatch.setattr(lossless.decoding.models, "embedded_model_dir", refuse)
 
 
 def run_cli(argv: list[str]) -> int:
@@ -392,7 +394,7 @@ def test_a_refused_audit_leaves_the_folder_for_the_corrected_command(d, tmp_path
     assert main(_audit(d, tmp_path, "--k", "2", out=out)) == 0  # not "a different configuration"
     assert json.loads((out / "run.json").read_text())["config"]["k"] == 2
     assert not leftovers(out)  # the lock file is gone; nothing but run.json and records
-    from lossless.records import record_files
+    from lossless.study.records import record_files
 
     assert all(f.parent.name == "records" for f in record_files(out))
 
@@ -449,7 +451,7 @@ def test_a_full_disk_during_an_audit_keeps_the_finished_items(d, tmp_path, small
     assert_one_line_error(rc, *capsys.readouterr(), "no space left")
     assert not [p for p in small_disk.rglob("*") if p.name.endswith(".tmp")]
     assert json.loads((out / "run.json").read_text())  # whole, never emptied
-    from lossless.records import read_records
+    from lossless.study.records import read_records
 
     kept = {r["key"] for r in read_records(out)}
     filler.unlink()  # space is freed: the same command resumes
@@ -475,7 +477,7 @@ def test_a_full_disk_during_training_removes_the_temporary_checkpoint(d, tmp_pat
         if disk is None:  # simulated: the checkpoint's write starts, then the disk is full
             import builtins
 
-            import lossless.training
+            import lossless.training.train
 
             disk = tmp_path / "disk"
 
@@ -493,7 +495,7 @@ def test_a_full_disk_during_training_removes_the_temporary_checkpoint(d, tmp_pat
                     self.f.write(bytes(data[:100]))
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-            monkeypatch.setattr(lossless.training, "open", lambda *a, **k: Full(builtins.open(*a, **k)), raising=False)
+            monkeypatch.setattr(lossless.training.train, "open", lambda *a, **k: Full(builtins.open(*a, **k)), raising=False)
         out = disk / "head"
         argv = _train(d, tmp_path, "--seqs-per-step", "1", "--anchors", "2", "--save-every", "1", out=out)
         rc = run_cli(argv)
@@ -512,7 +514,7 @@ def test_a_full_disk_during_training_removes_the_temporary_checkpoint(d, tmp_pat
 
 def test_a_full_disk_during_distillation_resumes(d, tmp_path, capsys, monkeypatch):
     """(Simulated) the second batch's records do not fit: the first batch's are kept, the rerun adds the rest."""
-    from lossless.records import RecordStore
+    from lossless.study.records import RecordStore
 
     real_append, calls = RecordStore.append, []
 
@@ -534,7 +536,7 @@ def test_a_full_disk_during_distillation_resumes(d, tmp_path, capsys, monkeypatc
 
 def test_a_truncated_checkpoint_is_named_by_the_library(tmp_path):
     from lossless.errors import LosslessError
-    from lossless.training import read_checkpoint
+    from lossless.training.train import read_checkpoint
 
     path = tmp_path / "checkpoint.pt"
     import torch
@@ -556,3 +558,35 @@ def test_eval_without_progress_prints_nothing_on_stderr(d, tmp_path, capfd, monk
     assert rc == 0, captured.err
     assert captured.err == "", captured.err
     assert time.perf_counter() - start < 60
+
+
+def test_a_training_log_in_a_folder_not_yet_made_is_written(d, tmp_path, capsys):
+    """The up-front writability check makes and removes missing folders; the log's folder is made when the
+    log is first written."""
+    log = tmp_path / "not" / "yet" / "log.jsonl"
+    assert main(_train(d, tmp_path, "--log", str(log))) == 0, capsys.readouterr().err
+    assert log.is_file() and read_jsonl(log)
+
+
+def test_processes_of_one_launch_check_one_new_folder_at_once(tmp_path):
+    """Ranks of `accelerate launch` check the same --out together: one's folder, made or removed between the
+    other's steps, is no refusal. In memory (/dev/shm) where there is one, so that the checks are quick enough
+    to meet."""
+    import tempfile
+
+    shm = Path("/dev/shm")
+    tmp_path = Path(tempfile.mkdtemp(dir=shm)) if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path
+    go = tmp_path / "go"
+    code = ("import sys, time; from pathlib import Path; from lossless.paths import check_writable_dir\n"
+            "root = Path(sys.argv[1])\n"
+            "while not (root / 'go').exists(): time.sleep(0.001)\n"
+            "end = time.monotonic() + 2\n"
+            "while time.monotonic() < end: check_writable_dir(root / 'new' / 'out')\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    time.sleep(3)  # every process imported and waiting
+    go.touch()
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    if tmp_path.parent == shm:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+    assert [p.returncode for p in procs] == [0, 0, 0], errors

@@ -91,7 +91,7 @@ def _gpt2_dir(root: Path) -> Path:
 def _suite_prompt_file(root: Path) -> str:
     """A prompt file holding one audit-suite prompt, re-spaced and re-cased: training must refuse it."""
     from lossless import paths
-    from lossless.distill import read_prompts
+    from lossless.training.distill import read_prompts
 
     prompt = read_prompts(paths.DEFAULT_SUITE)[7]["prompt"]
     path = root / "leaky.jsonl"
@@ -150,13 +150,13 @@ BAD_INPUTS_BEFORE_LOADING = {
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS_BEFORE_LOADING))
 def test_bad_input_is_refused_before_any_model_loads(dirs, tmp_path, capsys, monkeypatch, case):
-    import lossless.models
+    import lossless.decoding.models
 
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr(lossless.models, "_load_hf", no_loading)
-    monkeypatch.setattr(lossless.models, "embedded_model_dir", no_loading)
+    monkeypatch.setattr(lossless.decoding.models, "_load_hf", no_loading)
+    monkeypatch.setattr(lossless.decoding.models, "embedded_model_dir", no_loading)
     argv, needle = BAD_INPUTS_BEFORE_LOADING[case]
     args = argv(dirs, tmp_path)
     capsys.readouterr()  # what building the inputs printed (e.g. a save_pretrained progress bar) is not the CLI's
@@ -168,7 +168,7 @@ def test_bad_input_is_refused_before_any_model_loads(dirs, tmp_path, capsys, mon
 def test_an_unsupported_backbone_is_named_in_the_library_too(tmp_path):
     from transformers import GPT2LMHeadModel
 
-    from lossless.model import OrthrusLM
+    from lossless.decoding.model import OrthrusLM
 
     with pytest.raises(lossless.LosslessError, match="supported families: llama, qwen3"):
         OrthrusLM(GPT2LMHeadModel.from_pretrained(_gpt2_dir(tmp_path)))

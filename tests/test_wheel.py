@@ -74,14 +74,14 @@ def test_the_wheel_audits_the_default_suite(installed):
          installed["work"], installed["env"])
     run = json.loads((out / "run.json").read_text())
     assert Path(run["config"]["suite"]).is_relative_to(installed["site"])
-    from lossless.records import read_records
+    from lossless.study.records import read_records
 
     domains = {r["domain"] for r in read_records(out)}
     assert len(domains) == 12
     # the report's page is built from the wheel's own templates, with the wheel's suite's prompts
     _run([str(installed["lossless"]), "report", str(out)], installed["work"], installed["env"])
     page = (out / "report.html").read_text()
-    from lossless.htmlreport import unpack
+    from lossless.study.htmlreport import unpack
 
     data = unpack(page)
     assert "class Viewer" in page and len(data["prompts"]) == 12 and data["notes"] == []
@@ -100,7 +100,7 @@ def test_the_wheel_refuses_training_prompts_from_the_default_suite(installed):
 def test_the_wheel_decodes_in_exact_mode_with_its_own_kernel_source(installed):
     """The kernels' C++ source ships in the wheel, and a wheel install builds and runs them (a tree with lookup
     in exact mode: the same tokens as exact AR)."""
-    assert (installed["site"] / "lossless" / "exact_kernels.cpp").is_file()
+    assert (installed["site"] / "lossless" / "decoding" / "exact_kernels.cpp").is_file()
     ids = {}
     for mode in (["--mode", "ar"], ["--tree", "8", "--lookup", "16"]):
         proc = _run([str(installed["lossless"]), "generate", "--model", str(installed["model"]), "--attn", "exact",

@@ -8,11 +8,11 @@
 Nothing heavy runs at import; models load on `load_model`.
 """
 
-from .decoding import DecodeConfig, GenerationOutput, decode
+from .decoding.loop import DecodeConfig, GenerationOutput, decode
 from .errors import LosslessError
-from .model import OrthrusLM, generate
-from .models import load_model
-from .sampling import SamplingConfig
+from .decoding.model import OrthrusLM, generate
+from .decoding.models import load_model
+from .decoding.sampling import SamplingConfig
 
 __all__ = ["load_model", "OrthrusLM", "generate", "decode", "DecodeConfig", "GenerationOutput",
            "SamplingConfig", "LosslessError"]

@@ -89,8 +89,8 @@ def _check_cycle_args(args) -> None:
 
 
 def cmd_generate(args) -> int:
-    from .models import load_model
-    from .sampling import SamplingConfig
+    from .decoding.models import load_model
+    from .decoding.sampling import SamplingConfig
 
     # inputs first: nothing loads for a request that cannot run
     if not args.prompt.strip():
@@ -123,7 +123,8 @@ def cmd_generate(args) -> int:
 def _distill_inputs(args, allow_empty: bool = False) -> tuple[str, list[dict]]:
     """The prompt file and its prompts, checked against every evaluation set before any model loads.
     An empty prompt file is refused unless `allow_empty` (training on --data alone)."""
-    from . import distill, paths, reserved
+    from .training import distill, reserved
+    from . import paths
 
     prompts_file = str(args.prompts or paths.TRAIN_PROMPTS)
     prompts = distill.read_prompts(prompts_file)
@@ -134,9 +135,9 @@ def _distill_inputs(args, allow_empty: bool = False) -> tuple[str, list[dict]]:
 
 
 def cmd_distill(args) -> int:
-    from . import distill
-    from .audit import launcher_state, parse_shard
-    from .models import load_model
+    from .training import distill
+    from .study.audit import launcher_state, parse_shard
+    from .decoding.models import load_model
 
     from .paths import check_writable_dir
 
@@ -159,8 +160,10 @@ def cmd_distill(args) -> int:
 def cmd_train(args) -> int:
     from accelerate import Accelerator
 
-    from . import distill, paths, training
-    from .models import load_model
+    from .training import distill, train as training
+
+    from . import paths
+    from .decoding.models import load_model
 
     cfg = training.TrainConfig(
         model=args.model, out=args.out, k=args.k, steps=args.steps, lr=args.lr, warmup=args.warmup, loss=args.loss,
@@ -192,7 +195,7 @@ def cmd_train(args) -> int:
     if cfg.init_head:
         if args.resume:
             raise LosslessError("--init-head starts a new run; --resume continues one: give one of them")
-        from .head import read_head_config
+        from .decoding.head import read_head_config
 
         read_head_config(cfg.init_head)
     if args.resume:  # a truncated checkpoint, or nothing to resume from, is refused before the model loads
@@ -272,7 +275,7 @@ def _floats(text: str | None, option: str) -> list[float]:
 
 
 def cmd_curve(args) -> int:
-    from .curve import write_curve
+    from .training.curve import write_curve
     from .errors import read_utf8
     from .paths import check_writable_dir
 
@@ -292,10 +295,11 @@ def cmd_curve(args) -> int:
 
 
 def cmd_audit(args) -> int:
-    from . import audit, paths
-    from .candidates import check_kernel, parse_candidates
+    from .study import audit
+    from . import paths
+    from .study.candidates import check_kernel, parse_candidates
     from .dtypes import dtype_name
-    from .models import ATTN_KERNELS
+    from .decoding.models import ATTN_KERNELS
 
     dtypes = [dtype_name(d) for d in args.dtypes.split(",") if d]
     attns = [a for a in args.attn.split(",") if a]
@@ -333,8 +337,8 @@ def cmd_audit(args) -> int:
 
 def cmd_report(args) -> int:
     from .paths import check_writable_dir
-    from .records import RECORDS_DIR
-    from .report import write_report
+    from .study.records import RECORDS_DIR
+    from .study.report import write_report
 
     if not Path(args.run_dir).is_dir():
         raise LosslessError(f"run directory {args.run_dir} does not exist: pass the --out directory of `lossless audit`")
@@ -343,7 +347,7 @@ def cmd_report(args) -> int:
     if args.at_rest and (Path(args.run_dir) / RECORDS_DIR).is_dir():
         check_writable_dir(Path(args.run_dir) / RECORDS_DIR, "run directory")
     if args.at_rest:
-        from .records import roll_all
+        from .study.records import roll_all
 
         for seg in roll_all(args.run_dir):
             print(f"rolled unrolled records into {seg}")
@@ -360,8 +364,8 @@ def cmd_report(args) -> int:
 
 
 def cmd_probe(args) -> int:
-    from .models import load_model
-    from .probe import format_table, probe
+    from .decoding.models import load_model
+    from .study.probe import format_table, probe
 
     if not args.text.strip():
         raise LosslessError("the text is empty")
@@ -379,9 +383,9 @@ def cmd_probe(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from .evalreport import render_table
-    from .evaltasks import resolve_tasks
-    from .evaluation import EvalConfig, parse_dtype_list, parse_modes, run_eval
+    from .evaluation.report import render_table
+    from .evaluation.tasks import resolve_tasks
+    from .evaluation.run import EvalConfig, parse_dtype_list, parse_modes, run_eval
     from .names import check_attn
 
     check_attn(args.attn)
@@ -397,7 +401,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_tasks(args) -> int:
-    from .evaltasks import write_tasks
+    from .evaluation.tasks import write_tasks
     from .paths import check_writable_dir
 
     check_writable_dir(args.out)
@@ -595,7 +599,8 @@ def _output_places(args) -> list[Path]:
     if getattr(args, "log", None):
         places.append(str(Path(args.log).parent))
     if args.command == "train" and not args.distill_dir:
-        from . import distill, paths
+        from .training import distill
+        from . import paths
 
         places.append(str(distill.default_dir(args.model, args.prompts or paths.TRAIN_PROMPTS, args.max_new_tokens,
                                               args.dtype)))
@@ -607,7 +612,7 @@ def _rerun_advice(args) -> str:
     if args.command in ("audit", "distill", "eval"):
         return "rerun: the run resumes where it stopped"
     if args.command == "train":
-        from .training import CHECKPOINT
+        from .training.train import CHECKPOINT
 
         if (Path(args.out) / CHECKPOINT).exists():
             return "rerun with --resume: training continues from the last checkpoint"

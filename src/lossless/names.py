@@ -1,7 +1,7 @@
 """The names users pick from: decoding modes, Orthrus cycles, attention kernels, compute precisions.
 
 Every command, the library and the lm-eval adapter check these names here, so a new kernel or mode is
-added in one place. This module knows names only; what a kernel does lives in `model.py`/`exact.py`,
+added in one place. This module knows names only; what a kernel does lives in `decoding/model.py`/`decoding/exact.py`,
 what a dtype maps to in `dtypes.py`.
 """
 
@@ -29,7 +29,7 @@ def check_cycle(cycle: str) -> str:
 
 
 # nodes of the candidate tree that `--tree` without a number and the `orthrus-tree` candidate use: the fastest
-# of 4, 6, 8, 12, 16 and 24 nodes with the step-1500 head (results/speed_bf16_tree_step1500.txt)
+# of 4, 6, 8, 12, 16 and 24 nodes with the step-1500 head (results/speed/speed_bf16_tree_step1500.txt)
 DEFAULT_TREE = 8
 # tokens of the lookup branch that `--lookup` without a number and the `orthrus-lookup` candidate use
 DEFAULT_LOOKUP = 16

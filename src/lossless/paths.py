@@ -62,22 +62,44 @@ def check_writable_dir(path: str | Path, option: str = "--out") -> Path:
     from .errors import LosslessError
 
     path = Path(path)
-    existing, missing = path, []
-    while not existing.exists():
-        if existing.is_symlink():
-            raise LosslessError(f"{option} {path}: {existing} is a broken symbolic link; remove it or choose another "
-                                f"{option}")
-        missing.append(existing)
-        existing = existing.parent
-    if not existing.is_dir():
-        what = path if existing == path else existing
-        raise LosslessError(f"{option} {path}: {what} is a file, not a directory; choose another {option}")
+    # processes of one launch (ranks, shards) check the same folder at once: a folder another one made, or
+    # removed again between our steps, is looked at afresh rather than refused
+    for attempt in range(20):
+        existing, missing = path, []
+        while not existing.exists():
+            if existing.is_symlink():
+                raise LosslessError(f"{option} {path}: {existing} is a broken symbolic link; remove it or choose "
+                                    f"another {option}")
+            missing.append(existing)
+            existing = existing.parent
+        if not existing.is_dir():
+            if not existing.exists():
+                continue  # removed meanwhile
+            what = path if existing == path else existing
+            raise LosslessError(f"{option} {path}: {what} is a file, not a directory; choose another {option}")
+        try:
+            _probe(path, missing)
+            return path
+        except (FileExistsError, FileNotFoundError) as exc:
+            if attempt == 19:
+                raise LosslessError(write_fault(path, exc, option)) from None
+        except OSError as exc:
+            raise LosslessError(write_fault(path, exc, option)) from None
+    raise LosslessError(f"{option} {path}: other processes keep creating and removing it; rerun when they are done")
+
+
+def _probe(path: Path, missing: list[Path]) -> None:
+    """Make the missing folders, write, fsync and remove a probe file in `path`, remove the folders made."""
     created: list[Path] = []
     probe = path / f".lossless-write-check.{os.getpid()}"
     try:
         for d in reversed(missing):
-            d.mkdir()
-            created.append(d)
+            try:
+                d.mkdir()
+                created.append(d)
+            except FileExistsError:
+                if not d.is_dir():
+                    raise
         try:
             with open(probe, "wb") as f:
                 f.write(b"\0" * 4096)
@@ -85,13 +107,10 @@ def check_writable_dir(path: str | Path, option: str = "--out") -> Path:
                 os.fsync(f.fileno())
         finally:
             probe.unlink(missing_ok=True)
-    except OSError as exc:
-        raise LosslessError(write_fault(path, exc, option)) from None
     finally:
         for d in reversed(created):
             with contextlib.suppress(OSError):
                 d.rmdir()
-    return path
 
 
 def write_atomically(path: str | Path, data: str | bytes) -> Path:

@@ -1,0 +1,371 @@
+"""`OrthrusLM`: a frozen Hugging Face causal LM with a draft view, and its three forward passes.
+
+- `prefill(ids)`: the AR view over the prompt; returns a fresh KV cache and the last position's logits.
+- `verify(cache, block_ids)`: the AR view over a block, appending the block to the cache.
+- `draft(cache, last_token, k)`: the draft view over `[last_token, MASK x (k-1)]`; reads the cache,
+  never writes it, and returns the k-1 draft logits.
+
+Positions are always passed explicitly (`pos` = absolute position of a block's first token) so the
+cache length is the only state; `decoding.commit_cache` is the one function that shortens it.
+
+This module owns the model's passes and its kernel choice (`set_attn`). It does not know decoding
+policy (acceptance, sampling, stopping): `generate` hands the loop to `loop.py`, which sees the
+model only through its `DecodingModel` protocol, so imports go one way (model -> decoding).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from . import exact
+from . import head as headfile
+from .loop import DecodeConfig, GenerationOutput, decode
+from ..dtypes import dtype_name
+from .dualview import (DraftSpec, additive_mask, backbone_parameters, block_visibility, diff_parameters,
+                       diff_reference_parameters, draft_adapter_rank, draft_adapters_restored_on_error,
+                       install_dual_view, set_draft_adapter, tree_visibility)
+from ..errors import LosslessError
+from ..names import EXACT, check_attn
+
+
+class OrthrusLM(nn.Module):
+    """A backbone with the dual view installed, plus its tokenizer and head identity.
+
+    `k` is the head's block size (drafts per cycle = k - 1). When `mask_token_id` is None the block's
+    mask positions use the learned `mask_embedding` (initialised to the mean token embedding).
+    """
+
+    def __init__(self, backbone: nn.Module, tokenizer=None, *, k: int = 8, mask_token_id: int | None = None,
+                 name: str = "", attn: str = "sdpa"):
+        super().__init__()
+        install_dual_view(backbone)
+        self.backbone = backbone
+        self.tokenizer = tokenizer
+        self.name = name or getattr(backbone.config, "_name_or_path", "")
+        self.attn = attn  # the kernel the backbone runs; change it with `set_attn`
+        self.exact_ops: list[str] = []  # what exact mode replaced, when attn is "exact"
+        self.k = int(k)
+        self.mask_token_id = mask_token_id
+        self.fingerprint = headfile.backbone_fingerprint(backbone)
+        self.signature = headfile.backbone_signature(backbone)
+        emb = backbone.get_input_embeddings().weight
+        if mask_token_id is None:
+            self.mask_embedding = nn.Parameter(emb.detach().float().mean(0).to(emb.dtype).clone())
+        else:
+            self.mask_embedding = None
+        self.head_info = headfile.HeadConfig(k=self.k, backbone_fingerprint=self.fingerprint,
+                                             backbone_signature=self.signature,
+                                             mask_token_id=mask_token_id, backbone=self.name)
+        self.head_digest = headfile.UNTRAINED  # identity of the loaded head (see head.head_digest)
+        self.eval()
+
+    # ----------------------------------------------------------------------------------------- identity
+    @property
+    def config(self):
+        return self.backbone.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.backbone.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.backbone.get_input_embeddings().weight.dtype
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(str(self.dtype).removeprefix("torch."))
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 1 << 30))
+
+    def eos_token_ids(self) -> list[int]:
+        """Every EOS id the model declares: generation config, model config and tokenizer."""
+        ids: list[int] = []
+        sources = [getattr(self.backbone, "generation_config", None), self.config]
+        for src in sources:
+            value = getattr(src, "eos_token_id", None) if src is not None else None
+            if value is None:
+                continue
+            ids.extend(value if isinstance(value, (list, tuple)) else [value])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return sorted({int(i) for i in ids})
+
+    # ------------------------------------------------------------------------------------------- head
+    def head_parameters(self) -> dict[str, nn.Parameter]:
+        """Trainable draft-head parameters by head-file name."""
+        params = dict(diff_parameters(self.backbone))
+        if self.mask_embedding is not None:
+            params["mask_embedding"] = self.mask_embedding
+        return params
+
+    def backbone_parameters(self) -> dict[str, nn.Parameter]:
+        return backbone_parameters(self.backbone)
+
+    def set_draft_adapter(self, rank: int) -> None:
+        """Give the draft view fresh MLP adapters of `rank` (drafts unchanged until trained), or none (0)."""
+        set_draft_adapter(self.backbone, rank)
+        self.head_info.draft_adapter = rank
+
+    @property
+    def draft_adapter(self) -> int:
+        """The rank of the draft view's MLP adapters (0: none)."""
+        return draft_adapter_rank(self.backbone)
+
+    def save_head(self, path: str | Path, training: dict | None = None, encoding: str = "full") -> Path:
+        """Write the current head. encoding "delta_int8" stores int8 deltas over the AR weights."""
+        if encoding not in headfile.ENCODINGS:
+            raise LosslessError(f"unknown head encoding '{encoding}': choose one of {', '.join(headfile.ENCODINGS)}")
+        info = headfile.HeadConfig(**{**self.head_info.__dict__})
+        info.encoding = encoding
+        if training is not None:
+            info.trained, info.training = True, training
+        tensors = {n: p.detach().float() for n, p in self.head_parameters().items()}
+        if encoding == "delta_int8":
+            tensors = headfile.encode_delta_int8(tensors, diff_reference_parameters(self.backbone))
+        return headfile.save_head(path, tensors, info)
+
+    def load_head(self, path: str | Path) -> None:
+        tensors, info = headfile.load_head(path)
+        self.load_head_tensors(tensors, info, source=str(path))
+
+    def load_head_tensors(self, tensors: dict[str, torch.Tensor], info: headfile.HeadConfig, source: str = "") -> None:
+        if info.backbone_fingerprint != self.fingerprint or not headfile.signatures_match(info.backbone_signature,
+                                                                                           self.signature):
+            raise LosslessError(
+                f"head {source} was made for another backbone ({info.backbone or info.backbone_fingerprint}); "
+                f"train one for {self.name} or pass the matching --model"
+            )
+        digest = headfile.head_digest(tensors, info)
+        if info.encoding not in headfile.ENCODINGS:
+            raise LosslessError(f"head {source} uses unknown encoding '{info.encoding}'")
+        with draft_adapters_restored_on_error(self.backbone):  # a refused head leaves the model's own head
+            if info.draft_adapter != self.draft_adapter:
+                set_draft_adapter(self.backbone, info.draft_adapter)
+            if info.encoding == "delta_int8":
+                tensors = headfile.decode_delta_int8(tensors, diff_reference_parameters(self.backbone))
+            params = self.head_parameters()
+            missing = sorted(set(params) - set(tensors))
+            unexpected = sorted(set(tensors) - set(params))
+            if missing or unexpected:
+                raise LosslessError(f"corrupt head {source}: missing {missing[:3]} unexpected {unexpected[:3]}")
+            for name, p in params.items():  # check everything before touching the model's weights
+                if tensors[name].shape != p.shape:
+                    raise LosslessError(f"corrupt head {source}: {name} has shape {tuple(tensors[name].shape)}, "
+                                        f"expected {tuple(p.shape)}")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(tensors[name].to(p.dtype))
+        self.k, self.head_info, self.head_digest = int(info.k), info, digest
+
+    # ------------------------------------------------------------------------------------------ kernels
+    def set_attn(self, attn: str) -> list[str]:
+        """Choose the kernels: "sdpa" or "eager" (stock), or "exact" (batch-invariant, CPU only; see `exact`).
+        Returns what exact mode replaced ([] otherwise).
+
+        Exact mode replaces module classes in place, so a model in exact mode stays there."""
+        check_attn(attn)
+        if self.attn == EXACT and attn != EXACT:
+            raise LosslessError("this model runs exact kernels; load it again for another attention kernel")
+        if attn == EXACT:
+            exact.check_device(self.device)
+            if self.attn != EXACT:
+                self.exact_ops = exact.make_batch_invariant(self.backbone)
+        else:
+            self.backbone.set_attn_implementation(attn)
+        self.attn = attn
+        return self.exact_ops
+
+    # ---------------------------------------------------------------------------------------- forwards
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    def _lm_forward(self, ids: torch.Tensor, pos: int, cache: DynamicCache, last_only: bool = False) -> torch.Tensor:
+        """AR view over `ids` [1, q] at positions pos..pos+q-1, appending to `cache`. Returns logits [q, V]
+        (or [1, V] for the last position only, which spares a prefill the LM head on every row)."""
+        position_ids = torch.arange(pos, pos + ids.shape[1], device=self.device).unsqueeze(0)
+        out = self.backbone(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True,
+                            logits_to_keep=1 if last_only else 0)
+        return out.logits[0]
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids: list[int]) -> tuple[DynamicCache, torch.Tensor]:
+        """Run the prompt through the AR view. Returns (cache holding the prompt, last-position logits [V])."""
+        cache = self.new_cache()
+        ids = torch.tensor([prompt_ids], device=self.device)
+        with exact.stock_kernels():  # AR and Orthrus share the prefill bit for bit; it needs no invariance
+            logits = self._lm_forward(ids, 0, cache, last_only=True)
+        return cache, logits[-1]
+
+    @torch.no_grad()
+    def score(self, context: list[int], response: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced AR scoring of `response` after `context` (non-empty), in one stock-kernel pass.
+        Returns (log p of each response token [n] in fp32, whether each was the argmax [n] bool).
+
+        The one AR scoring path: the audit's response perplexity and the lm-eval log-likelihoods."""
+        n = len(response)
+        if not context:
+            raise LosslessError("scoring needs at least one context token")
+        if n == 0:
+            return torch.empty(0, device=self.device), torch.empty(0, dtype=torch.bool, device=self.device)
+        ids = torch.tensor([context + response[:-1]], device=self.device)
+        with exact.stock_kernels():  # scoring needs no batch invariance
+            logits = self.backbone(input_ids=ids, use_cache=False, logits_to_keep=n).logits[0, -n:]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        target = torch.tensor(response, device=self.device)
+        return logp.gather(1, target[:, None])[:, 0], logp.argmax(-1) == target
+
+    @torch.no_grad()
+    def verify(self, cache: DynamicCache, block_ids: list[int]) -> torch.Tensor:
+        """AR view over `block_ids`, which start at position cache length. Returns logits [len(block), V]."""
+        pos = cache.get_seq_length()
+        ids = torch.tensor([block_ids], device=self.device)
+        return self._lm_forward(ids, pos, cache)
+
+    @torch.no_grad()
+    def step(self, cache: DynamicCache, token: int) -> torch.Tensor:
+        """One AR decoding step: feed `token` at position cache length. Returns next-token logits [V]."""
+        return self.verify(cache, [token])[-1]
+
+    @torch.no_grad()
+    def verify_tree(self, cache: DynamicCache, ids: list[int], parents: list[int]) -> torch.Tensor:
+        """AR view over a token tree starting at position cache length: row 0 is the root, row i (> 0) has
+        parent row parents[i] < i and sits one position after it. Each row sees the cache, its ancestors and
+        itself; every row is appended to the cache (`keep_cache_rows` keeps a path). Returns logits [len(ids), V]."""
+        pos = cache.get_seq_length()
+        visible, depth = tree_visibility(parents, pos)
+        position_ids = torch.tensor([[pos + d for d in depth]], device=self.device)
+        mask = additive_mask(visible, self.dtype).to(self.device)
+        out = self.backbone.model(input_ids=torch.tensor([ids], device=self.device), position_ids=position_ids,
+                                  attention_mask=mask, cache=cache, use_cache=True)
+        return self.backbone.lm_head(out.last_hidden_state[0])
+
+    @staticmethod
+    def keep_cache_rows(cache: DynamicCache, start: int, rows: list[int]) -> None:
+        """Move the cache entries at start + rows[j] to start + j (a tree's accepted path), in every layer; the
+        caller crops what lies beyond."""
+        if rows == list(range(len(rows))):
+            return
+        for layer in cache.layers:
+            index = torch.tensor(rows, device=layer.keys.device) + start
+            for tensor in (layer.keys, layer.values):
+                tensor[:, :, start: start + len(rows)] = tensor.index_select(2, index)
+
+    def block_embeddings(self, anchor_ids: torch.Tensor, k: int) -> torch.Tensor:
+        """Embeddings of blocks `[anchor, MASK x (k-1)]`: anchor_ids [n] -> [1, n*k, d]."""
+        embed = self.backbone.get_input_embeddings()
+        anchors = embed(anchor_ids)  # [n, d]
+        if self.mask_embedding is not None:
+            mask = self.mask_embedding.to(anchors.dtype)
+        else:
+            mask = embed.weight[self.mask_token_id]
+        n = anchor_ids.shape[0]
+        masks = mask.expand(n, k - 1, -1)  # [n, k-1, d]
+        block = torch.cat([anchors[:, None], masks], dim=1)  # [n, k, d]
+        return block.reshape(1, n * k, anchors.shape[-1])
+
+    def draft_hidden(self, embeds: torch.Tensor, position_ids: torch.Tensor, cache=None,
+                     spec: DraftSpec | None = None) -> torch.Tensor:
+        """Draft view over block embeddings [1, q, d] at `position_ids` [1, q]. Returns logits [q, V]."""
+        return self.draft_logits(self.draft_states(embeds, position_ids, cache, spec))
+
+    def draft_states(self, embeds: torch.Tensor, position_ids: torch.Tensor, cache=None,
+                     spec: DraftSpec | None = None) -> torch.Tensor:
+        """The draft view's last hidden states [q, d] (before the LM head), for callers that need logits on
+        some rows only (training). In exact mode a decoding draft runs the exact kernels (here faster than the
+        stock ones, and any kernel may propose); a training step, which needs gradients, the stock ones."""
+        out = self.backbone.model(inputs_embeds=embeds, position_ids=position_ids, cache=cache, use_cache=False,
+                                  orthrus_draft=spec or DraftSpec())
+        return out.last_hidden_state[0]
+
+    @torch.no_grad()
+    def draft(self, cache: DynamicCache, last_token: int, k: int) -> torch.Tensor:
+        """Draft k-1 tokens after `last_token` (position = cache length). Returns logits [k-1, V]."""
+        pos = cache.get_seq_length()
+        length_before = pos
+        embeds = self.block_embeddings(torch.tensor([last_token], device=self.device), k)
+        position_ids = torch.arange(pos, pos + k, device=self.device).unsqueeze(0)
+        logits = self.draft_hidden(embeds, position_ids, cache)
+        assert cache.get_seq_length() == length_before, "the draft pass must not write the cache"
+        return logits[: k - 1]
+
+    @torch.no_grad()
+    def verify_and_draft(self, cache: DynamicCache, block_ids: list[int], anchors: list[int],
+                         width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward, two views (the fused cycle). The AR view runs over `block_ids` at positions pos.. (pos =
+        cache length), causal, appended to the cache: exactly a verify pass. In the same forward, for every
+        block offset n in `anchors`, a draft group `[block_ids[n], MASK x width]` at positions pos+n..
+        runs through the draft view, seeing the cache and the block's keys strictly before pos+n and its
+        own group bidirectionally: the layout the head was trained on. Groups are never written to the cache,
+        and no verify row sees a group row.
+
+        Returns (verify logits [len(block_ids), V], group hidden states [len(anchors), width, d] at the mask
+        positions; `draft_logits` turns the chosen group's rows into logits)."""
+        pos = cache.get_seq_length()
+        v, g, rows = len(block_ids), len(anchors), width + 1
+        ids = torch.tensor(block_ids, device=self.device)
+        offsets = torch.tensor(anchors, dtype=torch.long, device=self.device)
+        embeds = torch.cat([self.backbone.get_input_embeddings()(ids)[None],
+                            self.block_embeddings(ids[offsets], rows)], dim=1)  # [1, v + g*rows, d]
+        steps = torch.arange(rows, device=self.device)
+        position_ids = torch.cat([pos + torch.arange(v, device=self.device),
+                                  (pos + offsets[:, None] + steps).reshape(-1)])[None]
+        causal, _ = tree_visibility(list(range(-1, v - 1)), pos)  # a chain: row r sees keys 0..pos+r
+        verify_mask = additive_mask(causal, self.dtype).to(self.device)
+        group_mask = additive_mask(block_visibility([pos + n for n in anchors], rows, pos + v), self.dtype)
+        spec = DraftSpec(context_mask=group_mask.to(self.device), verify_rows=v, verify_mask=verify_mask)
+        out = self.backbone.model(inputs_embeds=embeds, position_ids=position_ids, attention_mask=verify_mask,
+                                  cache=cache, use_cache=True, orthrus_draft=spec)
+        hidden = out.last_hidden_state[0]  # [v + g*rows, d]
+        assert cache.get_seq_length() == pos + v, "a fused forward writes exactly its verify rows"
+        return self.backbone.lm_head(hidden[:v]), hidden[v:].reshape(g, rows, hidden.shape[-1])[:, 1:]
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head over draft rows: hidden [m, d] -> logits [m, V]."""
+        return self.backbone.lm_head(hidden)
+
+    # ------------------------------------------------------------------------------------------ generate
+    def generate(self, prompt: str | list[int], mode: str = "orthrus", *, max_new_tokens: int = 128,
+                 k: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 chat_template: bool = True, cycle: str = "two-pass", groups: int | None = None, tree: int = 0,
+                 lookup: int = 0, on_text=None, on_tokens=None) -> GenerationOutput:
+        """Decode `prompt` (text, or token ids used as-is) with `mode` ("ar" | "orthrus"); orthrus runs the
+        `cycle` "two-pass" (draft, then verify) or "fused" (one forward per cycle, `groups` draft groups);
+        `tree` > 0 (two-pass, greedy) verifies a tree of that many draft candidates instead of one chain;
+        `lookup` > 0 (two-pass, greedy) adds prompt lookup: up to that many tokens copied from earlier context.
+
+        on_text(str) receives text as tokens are committed; on_tokens(list[int]) the committed ids.
+        Returns a GenerationOutput(text, token_ids, stats, prompt_ids, finish_reason).
+        """
+        from .sampling import SamplingConfig
+        from ..text import StreamDecoder, encode_prompt
+
+        prompt_ids = list(prompt) if isinstance(prompt, (list, tuple)) else encode_prompt(self.tokenizer, prompt,
+                                                                                          chat_template)
+        cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=k, cycle=cycle, groups=groups, tree=tree, lookup=lookup,
+                           sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+        stream = StreamDecoder(self.tokenizer) if (on_text and self.tokenizer is not None) else None
+
+        def _on_tokens(ids):
+            if on_tokens:
+                on_tokens(ids)
+            if stream is not None:
+                delta = stream.push(ids)
+                if delta:
+                    on_text(delta)
+
+        state = decode(self, prompt_ids, mode, cfg, on_tokens=_on_tokens)
+        text = self.tokenizer.decode(state.generated, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return GenerationOutput(text=text, token_ids=state.generated, stats=state.stats.to_dict(),
+                                prompt_ids=prompt_ids, finish_reason=state.finished)
+
+
+def generate(model: OrthrusLM, prompt: str | list[int], mode: str = "orthrus", **kwargs) -> GenerationOutput:
+    """`model.generate(prompt, mode, ...)` as a function."""
+    return model.generate(prompt, mode, **kwargs)

@@ -1,0 +1,70 @@
+"""Token choice from logits: greedy, and the processed distributions used for sampling.
+
+`SamplingConfig.probs` turns logits into the distribution actually sampled from (temperature, then
+top-k, then top-p). Orthrus applies the same processing to the draft distribution q and the verify
+distribution p, so rejection sampling is exact for the processed target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import LosslessError
+
+
+@dataclass
+class SamplingConfig:
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise LosslessError("--temperature must be >= 0 (0 = greedy)")
+        if self.top_k < 0:
+            raise LosslessError("--top-k must be >= 0 (0 = no top-k filter)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise LosslessError("--top-p must be in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        g = torch.Generator(device=device)
+        g.manual_seed(int(self.seed))
+        return g
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Processed sampling distribution, float32: logits [..., V] -> probs [..., V]."""
+        scores = logits.float() / self.temperature
+        if self.top_k and self.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, self.top_k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+            cum = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
+            # drop a token when the tokens ranked above it already reach top_p; always keep the first
+            drop_sorted = (cum - torch.softmax(sorted_scores, dim=-1)) >= self.top_p
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            scores = scores.masked_fill(drop, float("-inf"))
+        return torch.softmax(scores, dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token id drawn from probs [V]."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy choice along the vocabulary axis (first index on exact ties, like torch.argmax).
+
+    `max(dim).indices` returns the same index as `argmax` (both documented to take the first maximal value)
+    and on CPU it is several times faster on bf16 logits: 0.03 against 0.32 ms for one row of the 49k
+    vocabulary, 0.4 against 1.8 ms for 8 rows (1 thread, AVX-512 BF16), which a cycle pays twice."""
+    return logits.max(dim=-1).indices
