@@ -198,6 +198,17 @@ def test_sorting_by_a_column_orders_the_rows(browser, audited):
         assert lev == sorted(lev)
         page.page.click("#pairs th[data-col='lev']")
         assert [int(row[7]) for row in page.rows()] == sorted(lev, reverse=True)
+        # the overview's tables sort too: the configurations table by its "n" column, then back
+        table = page.page.locator("#overview table").first
+        heads = table.locator("thead th").all_inner_texts()
+        col = heads.index("exact match [95% CI]")
+        table.locator("thead th").nth(col).click()
+        cells = table.locator(f"tbody tr td:nth-child({col + 1})").all_inner_texts()
+        rates = [float(c.split("%")[0]) for c in cells]
+        assert rates == sorted(rates) and len(rates) == 4
+        table.locator("thead th").nth(col).click()
+        cells = table.locator(f"tbody tr td:nth-child({col + 1})").all_inner_texts()
+        assert [float(c.split("%")[0]) for c in cells] == sorted(rates, reverse=True)
     finally:
         page.close()
 
