@@ -146,7 +146,8 @@ def overview_html(markdown_text: str, plot_dir: Path, plots: list[tuple[str, str
 
 
 def render(template: str, script: str, **fields) -> str:
-    """A page from `templates/<template>` with `templates/<script>` and the shared styles inline."""
+    """A page from `templates/<template>` with `templates/common.js`, `templates/<script>` and the shared styles
+    inline."""
     from jinja2 import Environment, FileSystemLoader, select_autoescape
 
     if not (TEMPLATES / template).is_file():
@@ -156,7 +157,7 @@ def render(template: str, script: str, **fields) -> str:
     # the script and styles go in as text, not as templates: nothing in them is read as Jinja syntax
     return env.get_template(template).render(
         styles=(TEMPLATES / "report.css").read_text(encoding="utf-8"),
-        script=(TEMPLATES / script).read_text(encoding="utf-8"), **fields)
+        script="\n".join((TEMPLATES / name).read_text(encoding="utf-8") for name in ("common.js", script)), **fields)
 
 
 def write_html(out: Path, records: list[dict], labels: dict[str, str], markdown_text: str,

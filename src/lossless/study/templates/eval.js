@@ -1,20 +1,5 @@
 // The item viewer of an evaluation's report.html: task items whose AR and Orthrus responses differ.
-"use strict";
-
-const $ = (id) => document.getElementById(id);
-
-async function unpack(text) {
-  const bytes = Uint8Array.from(atob(text.trim()), (c) => c.charCodeAt(0));
-  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
-  return JSON.parse(await new Response(stream).text());
-}
-
-function el(tag, props, ...children) {
-  const node = document.createElement(tag);
-  Object.assign(node, props || {});
-  for (const child of children) node.append(child);
-  return node;
-}
+// (after common.js: $, unpack, el)
 
 function firstDifference(a, b) {
   let i = 0;

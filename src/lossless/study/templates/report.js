@@ -1,23 +1,8 @@
 // The trajectory viewer of report.html. The page's data is one gzip+base64 JSON object (see htmlreport.py):
 // pairs column by column, token sequences stored once, each candidate as its tail after the first divergence.
-"use strict";
+// (after common.js: $, unpack, el)
 
 const PAGE = 200;  // rows added per "show more"
-const $ = (id) => document.getElementById(id);
-
-async function unpack(text) {
-  const bytes = Uint8Array.from(atob(text.trim()), (c) => c.charCodeAt(0));
-  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
-  return JSON.parse(await new Response(stream).text());
-}
-
-function el(tag, props, ...children) {
-  const node = document.createElement(tag);
-  Object.assign(node, props || {});
-  for (const child of children) node.append(child);
-  return node;
-}
-
 function fmt(x, digits) {
   return x === null || x === undefined ? "—" : typeof x === "number" && digits !== undefined ? x.toFixed(digits) : String(x);
 }
