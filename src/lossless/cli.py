@@ -649,8 +649,6 @@ def main(argv: list[str] | None = None) -> int:
 
         if exc.errno not in paths.WRITE_FAULTS:
             raise
-        for place in _output_places(args):  # a write that failed half-way keeps nothing worth keeping
-            paths.remove_own_temporaries(place)
         print(f"lossless: error: {_write_fault(args, exc)}", file=sys.stderr)
         return 2
     except UnicodeDecodeError as exc:  # a reader that did not name its file

@@ -114,32 +114,15 @@ def _probe(path: Path, missing: list[Path]) -> None:
 
 
 def write_atomically(path: str | Path, data: str | bytes) -> Path:
-    """`jsonio.atomic_write`, but a failed write (a full disk) leaves no temporary file behind, and the
-    error names `path`."""
+    """`jsonio.atomic_write` (which leaves no temporary file when it fails), with a failure's error naming
+    `path` rather than the temporary file."""
     from .jsonio import atomic_write
 
     path = Path(path)
     try:
         return atomic_write(path, data)
     except OSError as exc:
-        own_temporary(path).unlink(missing_ok=True)
         raise OSError(exc.errno, exc.strerror, str(path)) from exc
-
-
-def own_temporary(path: str | Path) -> Path:
-    """The temporary file `jsonio.atomic_write` writes `path` through in this process."""
-    path = Path(path)
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
-def remove_own_temporaries(directory: str | Path) -> None:
-    """Delete the temporary files this process's atomic writes left under `directory` (a write that failed
-    half-way, e.g. on a full disk): nothing of them is worth keeping, and they keep the disk full."""
-    directory = Path(directory)
-    if directory.is_dir():
-        for tmp in directory.rglob(f".*.{os.getpid()}.tmp"):
-            with contextlib.suppress(OSError):
-                tmp.unlink()
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ import gzip
 import json
 import os
 import shutil
-import time
 import urllib.parse
 from pathlib import Path
 
@@ -71,10 +70,8 @@ class Page:
         self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
         self.page.on("request", lambda r: self.requests.append(r.url))
-        started = time.monotonic()
         self.page.goto(path.resolve().as_uri() + (f"#{fragment}" if fragment else ""))
         self.page.wait_for_selector("body[data-ready='1']", timeout=60_000)
-        self.load_seconds = time.monotonic() - started
 
     def rows(self) -> list[list[str]]:
         return self.page.eval_on_selector_all("#pairs tbody tr", "rows => rows.map(r => [...r.cells].map(c => c.textContent))")
@@ -282,7 +279,7 @@ def test_a_torn_record_line_still_gives_a_page_and_no_records_a_one_line_error(b
     assert len(err) == 1 and err[0].startswith("lossless: error: no records") and not (empty / "report.html").exists()
 
 
-def test_the_committed_full_study_page_opens_every_pair_quickly(browser):
+def test_the_committed_full_study_page_opens_every_pair(browser):
     path = REPO / "results" / "full-study" / "report.html"
     assert path.stat().st_size < 5 * 1024 * 1024
     page = Page(browser, path)
@@ -292,7 +289,6 @@ def test_the_committed_full_study_page_opens_every_pair_quickly(browser):
         page.page.select_option("#f-status", "diverged")
         diverged = sum(c["n"] - c["n_match"] for c in summary["configs"])
         assert page.count() == f"{diverged} of {summary['n_records']} pairs"
-        assert page.load_seconds < 30
     finally:
         page.close()
 

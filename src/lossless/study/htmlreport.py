@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..errors import LosslessError
 from ..jsonio import atomic_write
+from ..stats import first_divergence
 
 REJOIN_TOKENS = 4  # two texts "meet again" where they share this many tokens in a row after the divergence
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -94,7 +95,7 @@ def page_data(records: list[dict], labels: dict[str, str], prompts: dict[str, st
         match = a == o if r.get("exact_match") is None else bool(r["exact_match"])
         div = r.get("first_divergence")
         if not match and div is None:  # records from before first_divergence: compute it
-            div = next((i for i, (x, y) in enumerate(zip(a, o)) if x != y), min(len(a), len(o)))
+            div = first_divergence(a, o)
         used.update(a)
         used.update(o)
         for top in (r.get("ref_top_at_divergence"), r.get("orthrus_top_at_divergence")):

@@ -37,7 +37,6 @@ import contextlib
 import io
 import json
 import math
-import os
 import random
 import signal
 import sys
@@ -654,24 +653,12 @@ def train(model: OrthrusLM, records: list[dict], cfg: TrainConfig, heldout: list
 
 
 def save_checkpoint(state: dict, path: str | Path) -> None:
-    """Write a checkpoint through `<path>.tmp` and a rename: the old checkpoint stays whole until the new one
-    is, and a failed write (a full disk) removes the temporary file instead of leaving it to fill the disk.
-    The state is serialised in memory first, so a write error is an OSError naming the file."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    """Write a checkpoint atomically (`write_atomically`): the old checkpoint stays whole until the new one is,
+    and a failed write (a full disk) leaves no temporary file to fill the disk. The state is serialised in
+    memory first, so a write error is an OSError naming the file."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(buffer.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError) and not exc.filename:
-            raise OSError(exc.errno, exc.strerror, str(path)) from exc
-        raise
+    write_atomically(path, buffer.getvalue())
 
 
 def write_summary(out: str | Path, summary: dict) -> None:
