@@ -1,14 +1,22 @@
-"""Exact mode on the embedded SmolLM2-135M: bf16 and fp16 Orthrus equal exact AR token for token in every
-cycle (chain, tree with lookup beside it, fused), and the probe finds no differing op under `exact` while it
-names one under stock SDPA."""
+"""Exact mode on the embedded SmolLM2-135M: the same logits bit for bit under every kernel variant this CPU can
+run and at 1, 2 and 3 threads, in fp32, bf16 and fp16; Orthrus equal to exact AR token for token in every cycle
+(chain, tree with lookup beside it, fused) under every variant; the committed golden trajectories reproduced bit
+for bit (recorded on another machine, they prove the claim there); and the probe finds no differing op under
+`exact` while it names one under stock SDPA."""
 
 import dataclasses
 import importlib.util
+import itertools
+import json
+from pathlib import Path
 
 import pytest
+import torch
 
 import lossless
+from lossless.decoding import kernels
 from lossless.decoding.loop import DecodeConfig, decode
+from lossless.study import golden
 from lossless.study.probe import probe
 from lossless.text import encode_prompt
 
@@ -43,23 +51,45 @@ def suite_prompts(per_domain: int = 1, domains: int = 3) -> list[str]:
 CYCLES = {"chain": dict(), "tree+lookup": dict(tree=8, lookup=16), "fused": dict(cycle="fused")}
 
 
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "exact.json").read_text())
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_exact_bits_belong_to_the_model_not_the_variant_or_thread_count(dtype, exact_bf16):
+    model = exact_bf16 if dtype == "bf16" else lossless.load_model("smollm2-135m", dtype, attn="exact")
+    ids = encode_prompt(model.tokenizer, PROMPTS[0])
+    before = torch.get_num_threads()
+    try:
+        want = golden.fingerprint(model, ids, 6)
+        cfg = DecodeConfig(max_new_tokens=20)
+        ar = decode(model, ids, "ar", cfg).generated
+        for i, (isa, threads) in enumerate(itertools.product(kernels.runnable_isas(), (1, 2, 3))):
+            torch.set_num_threads(threads)
+            with kernels.use_isa(isa):
+                assert golden.fingerprint(model, ids, 6) == want, (isa, threads)  # logits, bit for bit
+                if threads == 1 + i // 3 % 3:  # each variant decodes every cycle, at one of the thread counts
+                    for name, extra in CYCLES.items():
+                        got = decode(model, ids, "orthrus", dataclasses.replace(cfg, **extra)).generated
+                        assert got == ar, (isa, threads, name)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_the_golden_trajectories_are_reproduced_bit_for_bit(dtype, exact_bf16):
+    """Token ids and logits digests recorded on the machine the file names (`python -m lossless.study.golden`);
+    on any other CPU the same bits, or a failure naming the first op whose bits differ."""
+    model = exact_bf16 if dtype == "bf16" else lossless.load_model("smollm2-135m", dtype, attn="exact")
+    assert golden.compare(model, GOLDEN, dtype) == []
+
+
 def test_exact_bf16_orthrus_equals_exact_ar_in_every_cycle(exact_bf16):
     cfg = DecodeConfig(max_new_tokens=40)
-    for prompt in (*PROMPTS, *suite_prompts()):
+    for prompt in (*PROMPTS[1:], *suite_prompts(domains=2)):
         ids = encode_prompt(exact_bf16.tokenizer, prompt)
         ar = decode(exact_bf16, ids, "ar", cfg).generated
         for name, extra in CYCLES.items():
             assert decode(exact_bf16, ids, "orthrus", dataclasses.replace(cfg, **extra)).generated == ar, name
-
-
-def test_exact_fp16_tree_lookup_and_fused_equal_exact_ar():
-    model = lossless.load_model("smollm2-135m", "fp16", attn="exact")
-    cfg = DecodeConfig(max_new_tokens=32)
-    for prompt in suite_prompts(domains=2):
-        ids = encode_prompt(model.tokenizer, prompt)
-        ar = decode(model, ids, "ar", cfg).generated
-        for name in ("tree+lookup", "fused"):
-            assert decode(model, ids, "orthrus", dataclasses.replace(cfg, **CYCLES[name])).generated == ar, name
 
 
 def test_probe_finds_no_difference_under_exact(exact_bf16):

@@ -143,10 +143,11 @@ class DraftAdapter(nn.Module):
         super().__init__()
         self.down = nn.Linear(hidden, rank, bias=False)
         self.up = nn.Linear(rank, hidden, bias=False)
+        self.act = nn.SiLU()  # a module, so exact mode can put it on its kernel
         nn.init.zeros_(self.up.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.up(nn.functional.silu(self.down(x)))
+        return self.up(self.act(self.down(x)))
 
 
 class DualViewMLPMixin:

@@ -1,31 +1,30 @@
-"""Exact mode: a forward whose per-row results do not depend on how many rows run together.
+"""Exact mode: a forward whose per-row results depend on nothing but the row, on any machine.
 
 A token at absolute position p gets bitwise the same logits whether it is decoded alone (AR), inside a
-verify block of k rows, as a node of a candidate tree, or beside the draft groups of a fused forward. Each
-op that mixes numbers across a row runs a kernel of `kernels.py`, whose every output is one fixed sequence
-of IEEE operations over exactly the inputs it reads (no dependence on the call's row count, a row's place,
-the other rows, the thread count or the CPU's vector width):
+verify block of k rows, as a node of a candidate tree, or beside the draft groups of a fused forward; and the
+same on any CPU the kernels run on (AMD or Intel, AVX-512 BF16, AVX-512, AVX2 or plain loops), at any thread
+count. Every op of an exact-mode decode that mixes numbers across a row runs a kernel of `kernels.py`, whose
+every output is one fixed sequence of IEEE operations over exactly the inputs it reads, under one denormal rule:
 
 - linear layers (projections, MLP, LM head): `PackedLinearMixin`, one fma chain per output over the
   inputs in order, from weights packed once into panels of 16 outputs (re-packed if the weight changes);
 - attention (`exact_attention`, registered as the attention kernel "exact"): each query row attends to the
   keys its mask lets it see, in cache order, with a fixed dot product, max, exp and sum; a tree row sees
-  the cache and its ancestors, which are the keys an AR step at its position sees, in the same order;
+  the cache and its ancestors, which are the keys an AR step at its position sees, in the same order. The
+  prefill (causal over the prompt) and the draft view's passes (bidirectional blocks) run it too;
 - RMSNorm and SiLU: `NormMixin` and `SiluMixin`, statistics and exp in a fixed order;
-- rotary embedding: `RotaryTableMixin` looks cos/sin up in a table made once per dtype, so a position's
-  values never depend on which other positions share the call.
+- rotary embedding: `RotaryTableMixin` looks cos/sin up in a table computed by `kernels.rotary_table` from
+  float64 additions and multiplications only (the same bits everywhere), grown on demand to any position.
 
-Everything else in a decoder layer is elementwise (residual adds, gate * up, the rotary products):
-correctly rounded per element whatever the kernel's vector width, so batch-invariant as it stands. A module
-of a kind the kernels do not cover (a norm or activation of another family, a rope that changes with the
-sequence length) falls back to one stock call per token row (`RowwiseMixin`, `RotaryRowsMixin`): exact,
-because a single row is the very call a decoding step makes, but slower.
+Everything else in a decoder layer is elementwise (residual adds, gate * up, the rotary products, the
+embedding lookup): correctly rounded per element whatever the kernel's vector width, so the same bits as it
+stands. A module of any other kind (a norm of another family, another activation, dynamic or long-context
+RoPE, sliding-window attention, a module the swap does not know) is refused by name: running it on stock
+kernels would quietly give up the guarantee.
 
-Passes that need no invariance run stock kernels inside `stock_kernels()`: a prefill, which AR and Orthrus
-run identically, and teacher-forced scoring (long sequences, where the stock GEMMs are faster). A forward
-that needs gradients (a training step of the draft head) takes the stock path too: the kernels have no
-backward. The draft view's decoding passes run the exact kernels; they only propose tokens, so any kernel
-would do, and on the CPUs measured these are the faster ones for a few rows.
+Passes that need no invariance run stock kernels inside `stock_kernels()`: teacher-forced scoring (long
+sequences, where the stock GEMMs are faster; scores are reported, not decoded from). A forward that needs
+gradients (a training step of the draft head) takes the stock path too: the kernels have no backward.
 
 This module does not know decoding; it only swaps module classes and registers the attention kernel.
 """
@@ -44,25 +43,30 @@ from ..names import EXACT
 
 
 def exact_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, is_causal=None, **kwargs):
-    """query [b, h, q, d], key/value [b, kv_h, n, d] -> (output [b, q, h, d], None)."""
+    """query [b, h, q, d], key/value [b, kv_h, n, d] -> (output [b, q, h, d], None). Without a mask the rows are
+    causal (the last q positions; a prefill, a verify block) unless is_causal is False (all keys visible: the
+    draft view's block)."""
     check_device(query.device)
     b, h, q, d = query.shape
     n = key.shape[2]
-    if (n == q and is_causal is not False) or is_causal is False or _stock(query, key, value):
+    if _stock(query, key, value):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     if b != 1:
         raise LosslessError("attn=exact decodes one sequence at a time (batch 1); use --attn sdpa for batches")
-    visible = _visibility(attention_mask, q, n, query.device)
+    visible = _visibility(attention_mask, q, n, query.device, causal=is_causal is not False)
     out = kernels.attention(query[0].transpose(0, 1), key[0], value[0], visible, scaling)  # [q, h, d]
     return out.unsqueeze(0), None
 
 
-def _visibility(mask, q: int, n: int, device) -> torch.Tensor:
-    """bool [q, n]: which keys each query row sees. No mask: causal, the q rows being the last q positions."""
+def _visibility(mask, q: int, n: int, device, causal: bool = True) -> torch.Tensor:
+    """bool [q, n]: which keys each query row sees. No mask: causal (the q rows being the last q positions), or
+    every key when not `causal`."""
     if mask is None:
+        if not causal:
+            return torch.ones(q, n, dtype=torch.bool, device=device)
         return torch.arange(n, device=device)[None, :] <= torch.arange(n - q, n, device=device)[:, None]
     if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1:
         raise LosslessError("attn=exact takes one mask for all heads of one sequence; use --attn sdpa")
@@ -102,9 +106,8 @@ def _stock(x: torch.Tensor, *params) -> bool:
 
 @contextmanager
 def stock_kernels():
-    """Within this block exact mode's kernels take the stock path, for passes that need no invariance:
-    a prefill (AR and Orthrus run it identically), the draft view (it only proposes tokens) and
-    teacher-forced scoring. Everything outside such a block is batch-invariant."""
+    """Within this block exact mode's kernels take the stock path, for passes that need no invariance
+    (teacher-forced scoring). Everything outside such a block runs the fixed-order kernels."""
     token = _STOCK.set(True)
     try:
         yield
@@ -148,45 +151,45 @@ class SiluMixin:
 
 class RotaryTableMixin:
     """The rotary embedding (`forward(x, position_ids) -> (cos, sin)`, each `[b, q, d]`) looked up in a table of
-    every position, computed by one stock call per dtype and device: a position's cos/sin then never depend on
-    which positions share the call (cos/sin kernels round a tensor's last elements differently)."""
+    positions made by `kernels.rotary_table` (float64 operations only, rounded once: the same bits on every
+    machine, and a position's values never depend on which positions share the call). The table doubles
+    whenever a call reaches past it, so every position a cycle touches is covered."""
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
         if _STOCK.get():
             return super().forward(x, position_ids, *args, **kwargs)
         tables = self.__dict__.setdefault("_lossless_tables", {})
+        need = int(position_ids.max()) + 1 if position_ids.numel() else 1
         key = (x.dtype, x.device)
-        if key not in tables:
-            every = torch.arange(self._lossless_positions, device=x.device)[None]
-            tables[key] = super().forward(x, every, *args, **kwargs)
+        if key not in tables or tables[key][0].shape[0] < need:
+            size = max(self._lossless_positions, 1 << max(need - 1, 1).bit_length())
+            cos, sin = kernels.rotary_table(self._lossless_inv_freq, size, self._lossless_scaling)
+            tables[key] = (cos.to(device=x.device, dtype=x.dtype), sin.to(device=x.device, dtype=x.dtype))
         cos, sin = tables[key]
-        return cos[0, position_ids], sin[0, position_ids]
+        return cos[position_ids], sin[position_ids]
 
 
-class RowwiseMixin:
-    """The fallback for a norm or activation the kernels do not cover: one stock call per token row.
-
-    Elementwise kernels vectorise over the whole tensor and finish the last `numel % width` elements with
-    scalar code (a different exp, ...), so a row's result can depend on how many rows share the call; one
-    call per row `[b, 1, ...]` is the very call a single decoding step makes. Token rows are along dim 1."""
-
-    def forward(self, x: torch.Tensor, *args, **kwargs):
-        parent = super().forward
-        if _STOCK.get() or x.dim() < 2 or x.shape[1] == 1:
-            return parent(x, *args, **kwargs)
-        return torch.cat([parent(x[:, r:r + 1].contiguous(), *args, **kwargs) for r in range(x.shape[1])], dim=1)
-
-
-class RotaryRowsMixin:
-    """The fallback for a rotary embedding that depends on more than the position (dynamic scaling): one
-    stock call per position."""
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
-        parent = super().forward
-        if _STOCK.get() or position_ids.shape[-1] == 1:
-            return parent(x, position_ids, *args, **kwargs)
-        parts = [parent(x, position_ids[:, r:r + 1], *args, **kwargs) for r in range(position_ids.shape[-1])]
-        return tuple(torch.cat(tensors, dim=1) for tensors in zip(*parts))
+def _rotary_frequencies(rotary: torch.nn.Module, config) -> tuple[object, float]:
+    """(inv_freq as fp32 numpy, attention scaling) of a static rotary embedding; refuses one that changes
+    with the sequence length. The default RoPE's frequencies are recomputed correctly rounded (the same bits
+    everywhere) and checked against the module's own; a scaled RoPE (linear, llama3, yarn) keeps the module's."""
+    rope_type = str(getattr(rotary, "rope_type", "default"))
+    if "dynamic" in rope_type or rope_type == "longrope":
+        raise LosslessError(f"exact mode does not support '{rope_type}' RoPE (its frequencies change with the "
+                            f"sequence length); use --attn sdpa")
+    own = rotary.inv_freq.detach().cpu()  # fp32, or rounded to the model's dtype when the model was cast
+    scaling = float(getattr(rotary, "attention_scaling", 1.0))
+    if rope_type != "default":
+        return own.float().numpy(), scaling
+    params = getattr(config, "rope_parameters", None) or {}
+    base = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if base is not None:
+        # the frequencies correctly rounded to fp32, then to the buffer's dtype as a cast would round them
+        mine = torch.from_numpy(kernels.default_inv_freq(float(base), 2 * own.shape[0])).to(own.dtype)
+        if torch.allclose(mine.float(), own.float(), rtol=3 * torch.finfo(own.dtype).eps, atol=0.0):
+            return mine.float().numpy(), scaling
+    raise LosslessError(f"exact mode could not rebuild this model's RoPE frequencies ({type(rotary).__name__}); "
+                        f"use --attn sdpa")
 
 
 _SUBCLASSES: dict[tuple[type, type], type] = {}
@@ -207,57 +210,82 @@ def _is_norm(module: torch.nn.Module) -> bool:
 
 
 def _kernel_norm_matches(module: torch.nn.Module) -> bool:
-    """Whether `module` computes what `kernels.rms_norm` computes (checked on random rows, to a tolerance):
-    the Llama/Qwen RMSNorm does; a LayerNorm or a (1 + weight) norm does not."""
+    """Whether `module` computes what `kernels.rms_norm` computes, `weight * (x / sqrt(mean(x^2) + eps))`: an fp32
+    copy of it against that formula in float64, on rows with a mean and a spread, to 1e-5 (fp32 rounding of a
+    few operations; a LayerNorm or a (1 + weight) norm misses by far more)."""
+    import copy
+
     weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float):
         return False
-    x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, weight.shape[0], generator=g) * 3 + 1
+    w = weight.detach().double()
+    want = w * (x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + eps))
     with torch.no_grad():
-        want, got = module(x).float(), kernels.rms_norm(x, weight.detach(), eps).float()
-    return want.shape == got.shape and torch.allclose(want, got, rtol=2e-2, atol=2e-2 * float(weight.detach().abs().max()))
+        got = copy.deepcopy(module).float()(x).double()
+    return got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-6 * float(w.abs().max()))
 
 
 def _is_silu(module: torch.nn.Module) -> bool:
-    return isinstance(module, torch.nn.SiLU) or type(module).__name__ == "SiLUActivation"
+    return isinstance(module, (torch.nn.SiLU, SiluMixin)) or type(module).__name__ == "SiLUActivation"
+
+
+_COVERED = (PackedLinearMixin, NormMixin, SiluMixin, RotaryTableMixin, torch.nn.Embedding, torch.nn.Dropout,
+            torch.nn.Identity, torch.nn.ModuleList)
+
+
+def _refuse_sliding_window(backbone: torch.nn.Module) -> None:
+    config = backbone.config
+    types = set(getattr(config, "layer_types", None) or [])
+    window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    if types - {"full_attention"} or window or any(getattr(layer.self_attn, "sliding_window", None)
+                                                     for layer in backbone.model.layers):
+        raise LosslessError("exact mode does not support sliding-window attention (this model's config uses it); "
+                            "use --attn sdpa")
 
 
 def make_batch_invariant(backbone: torch.nn.Module) -> list[str]:
-    """Install exact mode on a backbone in place: the "exact" attention kernel and the kernels of
-    `kernels.py` for every linear layer, RMSNorm and SiLU, the rotary table (and the per-row
-    fallback for anything else). Returns what was replaced, e.g. "linear 576->192 x60 (fixed-order kernel)"."""
+    """Install exact mode on a backbone in place: the "exact" attention kernel and the kernels of `kernels.py`
+    for every linear layer, RMSNorm and SiLU, and the rotary table. A module of any other kind is refused by
+    name (nothing runs stock in silence). Idempotent: run it again after adding modules (a draft adapter).
+    Returns what was replaced, e.g. "linear 576->192 x60 (fixed-order kernel)", and the kernel variant."""
     kernels.ops()  # build (or load) the kernels now: a missing compiler is an error before any work
+    _refuse_sliding_window(backbone)
+    rotary = getattr(backbone.model, "rotary_emb", None)
+    if rotary is not None and not isinstance(rotary, RotaryTableMixin):
+        rotary._lossless_inv_freq, rotary._lossless_scaling = _rotary_frequencies(rotary, backbone.config)
+        rotary._lossless_positions = int(getattr(backbone.config, "max_position_embeddings", 4096))
+    for name, module in backbone.named_modules():
+        if _is_norm(module) and not isinstance(module, NormMixin) and not _kernel_norm_matches(module):
+            raise LosslessError(f"exact mode has no kernel for the norm {name} ({type(module).__name__}: not a "
+                                f"Llama/Qwen RMSNorm); use --attn sdpa")
+        if name.endswith("act_fn") and not _is_silu(module):
+            raise LosslessError(f"exact mode has no kernel for the activation {name} ({type(module).__name__}); "
+                                f"use --attn sdpa")
     register_exact()
     backbone.set_attn_implementation(EXACT)
     linears: dict[tuple[int, int], int] = {}
-    for sub in backbone.modules():
-        if isinstance(sub, torch.nn.Linear):
-            _swap_class(sub, PackedLinearMixin)
-            linears[(sub.in_features, sub.out_features)] = linears.get((sub.in_features, sub.out_features), 0) + 1
     counts: dict[str, int] = {}
-
-    def swap(module, mixin, how):
-        if not isinstance(module, (NormMixin, SiluMixin, RotaryTableMixin, RowwiseMixin, RotaryRowsMixin)):
-            label = f"{type(module).__name__} x{{}} ({how})"
+    structure = {id(backbone), id(backbone.model)}
+    for layer in backbone.model.layers:
+        structure |= {id(layer), id(layer.self_attn), id(layer.mlp)}
+    for name, module in backbone.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            _swap_class(module, PackedLinearMixin)
+            linears[(module.in_features, module.out_features)] = linears.get((module.in_features, module.out_features), 0) + 1
+            continue
+        mixin, how = ((NormMixin, "fixed-order kernel") if _is_norm(module) else
+                      (SiluMixin, "fixed-order kernel") if _is_silu(module) else
+                      (RotaryTableMixin, "table of every position") if module is rotary else (None, ""))
+        if mixin is not None:
+            label = f"{type(module).__name__.removeprefix(mixin.__name__.removesuffix('Mixin'))} x{{}} ({how})"
             counts[label] = counts.get(label, 0) + 1
             _swap_class(module, mixin)
-
-    for module in [m for m in backbone.modules() if _is_norm(m)]:
-        fits = _kernel_norm_matches(module)
-        swap(module, NormMixin if fits else RowwiseMixin, "fixed-order kernel" if fits else "one call per row")
-    for layer in backbone.model.layers:
-        act = getattr(getattr(layer, "mlp", None), "act_fn", None)
-        if act is not None:
-            swap(act, SiluMixin if _is_silu(act) else RowwiseMixin,
-                 "fixed-order kernel" if _is_silu(act) else "one call per row")
-    rotary = getattr(backbone.model, "rotary_emb", None)
-    if rotary is not None:
-        static = getattr(rotary, "rope_type", "default") == "default"
-        rotary._lossless_positions = int(getattr(backbone.config, "max_position_embeddings", 4096))
-        swap(rotary, RotaryTableMixin if static else RotaryRowsMixin,
-             "table of every position" if static else "one call per row")
+        elif id(module) not in structure and not isinstance(module, _COVERED) and type(module).__name__ != "DraftAdapter":
+            raise LosslessError(f"exact mode has no kernel for {name} ({type(module).__name__}); use --attn sdpa")
     return ["attention", *(f"linear {i}->{o} x{n} (fixed-order kernel)" for (i, o), n in sorted(linears.items())),
-            *(label.format(n) for label, n in sorted(counts.items()))]
+            *(label.format(n) for label, n in sorted(counts.items())), f"kernels {kernels.isa()}"]
 
 
 def check_device(device) -> None:

@@ -1,50 +1,121 @@
-"""The compiled batch-invariant kernels of exact mode (`exact_kernels.cpp`): build, cache, call.
+"""The compiled batch-invariant kernels of exact mode (`exact_kernels.cpp`): build, cache, choose a variant, call.
 
 `linear`, `attention`, `rms_norm` and `silu` compute every output element by one fixed sequence of IEEE
 operations that depends only on the inputs it reads (see the C++ file's header), so a row's result cannot
-depend on how many rows share a call, where it sits among them, the thread count or the CPU's vector width.
+depend on how many rows share a call, where it sits among them, the thread count, the CPU's vector width or
+the instruction-set variant that runs it.
 
-The extension is compiled on first use with the machine's C++ compiler (torch's JIT extension builder)
-and cached under `$LOSSLESS_CACHE/kernels/<hash>`: the hash covers the source, the flags, the CPU and the
-torch version, so a cache never serves a build made for something else. This module knows tensors only;
-which modules call these kernels is `exact.py`'s business.
+The extension holds every variant (`ISAS`: avx512bf16, avx512, avx2, scalar) side by side. Each call runs the
+variant `isa()` names: `LOSSLESS_EXACT_ISA`, else the best this CPU can execute; `use_isa(name)` switches it for
+a block (how the tests compare variants in one process). A variant the CPU cannot run is refused in one line.
+
+The extension is compiled on first use with the machine's C++ compiler (torch's JIT extension builder) and
+cached under `$LOSSLESS_CACHE/kernels/<hash>`: the hash covers the sources, the flags and the torch version
+(the build is the same on every x86-64 CPU: the variants choose their instructions themselves). This module
+knows tensors only; which modules call these kernels is `exact.py`'s business.
 """
 
 from __future__ import annotations
 
+import decimal
 import hashlib
+import math
 import os
 import platform
 import sys
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..errors import LosslessError
 
-SOURCE = Path(__file__).with_name("exact_kernels.cpp")
+SOURCES = (Path(__file__).with_name("exact_kernels.cpp"), Path(__file__).with_name("exact_isa.h"))
 # -ffp-contract=off: no multiply-add is fused behind our back (only the explicit ones); no -ffast-math, so
-# nothing is reassociated. -march=native only changes how wide the lanes run, never a result.
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+# nothing is reassociated. No -march: each variant names its instructions with `#pragma GCC target`.
+CFLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+
+# Variants, fastest first, and the CPU flags (/proc/cpuinfo names) each needs.
+ISAS = ("avx512bf16", "avx512", "avx2", "scalar")
+_NEEDS = {"avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx2", "fma", "f16c", "bmi2"},
+          "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c", "bmi2"},
+          "avx2": {"avx2", "fma", "f16c", "bmi2"},
+          "scalar": {"fma"}}
+ISA_ENV = "LOSSLESS_EXACT_ISA"
 
 
-def cpu_flags() -> set[str]:
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
     """The CPU's instruction-set flags (from /proc/cpuinfo; empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
+
+
+def runnable_isas() -> list[str]:
+    """The variants this CPU can execute, fastest first (outside x86-64: the scalar one)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ["scalar"]
+    flags = cpu_flags()
+    return [name for name in ISAS if _NEEDS[name] <= flags]
+
+
+_ISA: ContextVar[str | None] = ContextVar("lossless_exact_isa", default=None)
+
+
+def isa() -> str:
+    """The variant calls run now: `use_isa`'s, else $LOSSLESS_EXACT_ISA, else the best this CPU has."""
+    return _resolve(_ISA.get() or os.environ.get(ISA_ENV, "").strip() or None)
+
+
+@lru_cache(maxsize=None)
+def _resolve(name: str | None) -> str:
+    runnable = runnable_isas()
+    if name is None:
+        if not runnable:
+            raise LosslessError("exact mode needs a CPU with fma (x86-64) or AArch64; use --attn sdpa")
+        return runnable[0]
+    if name not in ISAS:
+        raise LosslessError(f"{ISA_ENV}={name} is not a kernel variant: choose one of {', '.join(ISAS)}")
+    if name not in runnable:
+        raise LosslessError(f"{ISA_ENV}={name}: this CPU cannot run that variant (it can run "
+                            f"{', '.join(runnable) or 'none'})")
+    return name
+
+
+@contextmanager
+def use_isa(name: str):
+    """Run the kernels of variant `name` within this block (refused if the CPU cannot run it)."""
+    token = _ISA.set(name)
+    try:
+        isa()
+        yield name
+    finally:
+        _ISA.reset(token)
 
 
 def _build_key(cflags: list[str]) -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    for part in (" ".join(cflags), torch.__version__, platform.machine(), " ".join(sorted(cpu_flags()))):
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    for part in (" ".join(cflags), torch.__version__, platform.machine()):
         digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def source_digest() -> str:
+    """sha256 (16 hex digits) of the kernel sources: what decoded a record, together with `isa()`."""
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -55,14 +126,18 @@ def build_dir(cflags: list[str] = CFLAGS) -> Path:
 
 
 @lru_cache(maxsize=1)
-def ops():
-    """The compiled extension (built once per machine and source, then loaded from the cache)."""
+def extension():
+    """The compiled extension, every variant in it (built once per machine and source, then loaded)."""
     return build(CFLAGS)
 
 
+def ops():
+    """The kernels of the variant `isa()` names (built on first use)."""
+    return getattr(extension(), isa())
+
+
 def build(cflags: list[str]):
-    """The extension built with `cflags` (`ops()` is the native build; a test builds one for AVX2 only, to check
-    that another instruction set gives the same bits)."""
+    """The extension built with `cflags`."""
     from torch.utils import cpp_extension
 
     # the build runs ninja; the one pip installed (a dependency) counts even if its folder is not on PATH
@@ -77,7 +152,7 @@ def build(cflags: list[str]):
     where = build_dir(cflags)
     try:
         where.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(name=f"lossless_exact_{where.name}", sources=[str(SOURCE)], extra_cflags=cflags,
+        return cpp_extension.load(name=f"lossless_exact_{where.name}", sources=[str(SOURCES[0])], extra_cflags=cflags,
                                   extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
     except (OSError, RuntimeError, ImportError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -128,3 +203,58 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def silu(x: torch.Tensor) -> torch.Tensor:
     return ops().silu(x.contiguous())
 
+
+
+# ------------------------------------------------------------------------------------------ rotary table
+# The rotary embedding's cos/sin come from libm-like kernels that round differently with the instruction set
+# and a tensor's length. Exact mode computes them here instead, from float64 additions and multiplications
+# only (each correctly rounded, the same on every machine: numpy fuses nothing), then rounds once to fp32.
+_PIO2 = (1.57079632673412561417e+00, 6.07710050630396597660e-11, 2.02226624871116645580e-21)  # pi/2 in 33-bit parts
+_SIN = [(-1.0) ** i / math.factorial(2 * i + 1) for i in range(9)]  # x, x^3/3!, .., x^17/17!: < 1e-19 on |x| <= pi/4
+_COS = [(-1.0) ** i / math.factorial(2 * i) for i in range(10)]
+
+
+def _horner(coefficients: list[float], x2: np.ndarray) -> np.ndarray:
+    out = np.full_like(x2, coefficients[-1])
+    for c in reversed(coefficients[:-1]):
+        out = out * x2 + c  # two roundings: numpy never fuses them
+    return out
+
+
+def sincos64(theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sin, cos) of float64 angles 0 <= theta < 2^20 from fixed float64 operations: theta = k pi/2 + r (Cody-Waite,
+    each k * part exact), Taylor polynomials on |r| <= pi/4, the quadrant from k mod 4. About 1e-16 from the
+    true values; the same bits on every machine."""
+    if np.any(theta < 0) or np.any(theta >= 2.0 ** 20):
+        raise LosslessError("rotary angles must lie in [0, 2^20): positions this far are not supported in exact mode")
+    k = np.rint(theta * (2.0 / math.pi))
+    r = ((theta - k * _PIO2[0]) - k * _PIO2[1]) - k * _PIO2[2]
+    r2 = r * r
+    s, c = r * _horner(_SIN, r2), _horner(_COS, r2)
+    quadrant = k.astype(np.int64) % 4
+    sin = np.choose(quadrant, [s, c, -s, -c])
+    cos = np.choose(quadrant, [c, -s, -c, s])
+    return sin, cos
+
+
+def default_inv_freq(base: float, dim: int) -> np.ndarray:
+    """RoPE's inverse frequencies 1 / base^e_i with e_i = fp32(2i / dim), i < dim/2, as Hugging Face defines them
+    (the exponent rounded to fp32 first), but the power correctly rounded to fp32 (decimal arithmetic at 40 digits,
+    then float64, then fp32): torch's fp32 pow, which Hugging Face uses, may round by the CPU."""
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)  # fp32 divisions, as torch makes them
+    with decimal.localcontext() as ctx:
+        ctx.prec = 40
+        ln_base = decimal.Decimal(float(np.float32(base))).ln()
+        values = [float((-decimal.Decimal(float(e)) * ln_base).exp()) for e in exponents]
+    return np.asarray(values, dtype=np.float64).astype(np.float32)
+
+
+def rotary_table(inv_freq: np.ndarray, positions: int, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [positions, 2 * len(inv_freq)] fp32 in Hugging Face's layout (the half-table twice). The angle is
+    fp32(position * inv_freq), as the stock rotary computes it; cos and sin then come from `sincos64`, times
+    `scaling` in float64, rounded once to fp32."""
+    freq = np.asarray(inv_freq, dtype=np.float32)
+    theta = (np.arange(positions, dtype=np.float32)[:, None] * freq[None, :]).astype(np.float64)  # fp32 products
+    sin, cos = sincos64(theta)
+    cos, sin = ((t * float(scaling)).astype(np.float32) for t in (cos, sin))
+    return tuple(torch.from_numpy(np.concatenate([t, t], axis=1)) for t in (cos, sin))

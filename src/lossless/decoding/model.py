@@ -112,6 +112,12 @@ class OrthrusLM(nn.Module):
         """Give the draft view fresh MLP adapters of `rank` (drafts unchanged until trained), or none (0)."""
         set_draft_adapter(self.backbone, rank)
         self.head_info.draft_adapter = rank
+        self._cover_new_modules()
+
+    def _cover_new_modules(self) -> None:
+        """In exact mode, put modules added since (a draft adapter) on the fixed-order kernels too."""
+        if self.attn == EXACT:
+            self.exact_ops = exact.make_batch_invariant(self.backbone)
 
     @property
     def draft_adapter(self) -> int:
@@ -148,6 +154,7 @@ class OrthrusLM(nn.Module):
         with draft_adapters_restored_on_error(self.backbone):  # a refused head leaves the model's own head
             if info.draft_adapter != self.draft_adapter:
                 set_draft_adapter(self.backbone, info.draft_adapter)
+                self._cover_new_modules()
             if info.encoding == "delta_int8":
                 tensors = headfile.decode_delta_int8(tensors, diff_reference_parameters(self.backbone))
             params = self.head_parameters()
@@ -199,8 +206,8 @@ class OrthrusLM(nn.Module):
         """Run the prompt through the AR view. Returns (cache holding the prompt, last-position logits [V])."""
         cache = self.new_cache()
         ids = torch.tensor([prompt_ids], device=self.device)
-        with exact.stock_kernels():  # AR and Orthrus share the prefill bit for bit; it needs no invariance
-            logits = self._lm_forward(ids, 0, cache, last_only=True)
+        # in exact mode the prefill runs the fixed-order kernels too: every trajectory starts from its cache
+        logits = self._lm_forward(ids, 0, cache, last_only=True)
         return cache, logits[-1]
 
     @torch.no_grad()

@@ -1,0 +1,285 @@
+"""Exact mode's bits belong to the model, the dtype and the prompt, not to the machine: every kernel variant
+(AVX-512 BF16, AVX-512, AVX2, plain loops) and every thread count gives the same bits, one denormal and one NaN
+rule hold everywhere, and the kernels are correct (float64 references, stock fp32 logits), not only invariant.
+The borders (positions past the table, dynamic RoPE, sliding windows, modules without a kernel) decode or are
+refused in one line."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import NO_EOS, perturb_head, tiny_backbone
+from lossless.decoding import kernels
+from lossless.decoding.loop import DecodeConfig, decode
+from lossless.decoding.model import OrthrusLM
+from lossless.errors import LosslessError
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+VARIANTS = kernels.runnable_isas()
+SLOW = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FLT_MIN = torch.finfo(torch.float32).tiny
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def adversarial(shape, dtype, g) -> torch.Tensor:
+    """Values across the whole exponent range: subnormals, tiny and huge magnitudes (fp16: near its overflow)."""
+    x = torch.randn(*shape, generator=g)
+    if dtype == torch.float16:
+        return (x.clamp(-8, 8) * 2.0 ** torch.randint(-26, 13, shape, generator=g).float()).clamp(-65504, 65504).to(dtype)
+    return (x * 2.0 ** torch.randint(-140, 60, shape, generator=g).float()).to(dtype)
+
+
+def every_kernel(dtype, make, g):
+    """(name, call) for one input of every kernel, drawn by `make(shape)`."""
+    x, w, bias, norm = make((9, 301)), make((70, 301)), make((70,)), make((301,))
+    packed = kernels.pack_weight(w)
+    q, k, v = make((9, 6, 40)), make((2, 70, 40)), make((2, 70, 40))
+    visible = torch.rand(9, 70, generator=g) < 0.7
+    return [("linear", lambda: kernels.linear(x, packed, 70, bias)),
+            ("attention", lambda: kernels.attention(q, k, v, visible, 0.2)),
+            ("rms_norm", lambda: kernels.rms_norm(x, norm, 1e-5)),
+            ("silu", lambda: kernels.silu(x * 8))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("data", ["randn", "adversarial"])
+def test_every_variant_and_thread_count_gives_the_same_bits(dtype, data):
+    g = torch.Generator().manual_seed(0)
+    make = (lambda s: torch.randn(*s, generator=g).to(dtype)) if data == "randn" else (lambda s: adversarial(s, dtype, g))
+    before = torch.get_num_threads()
+    try:
+        for name, call in every_kernel(dtype, make, g):
+            want = bits(call())
+            for isa in VARIANTS:
+                for threads in (1, 2, 3):
+                    torch.set_num_threads(threads)
+                    with kernels.use_isa(isa):
+                        assert torch.equal(bits(call()), want), (name, isa, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+def test_subnormals_read_as_zero_and_results_flush_in_every_variant(isa):
+    """The denormal rule (the one the AVX-512 BF16 dot product applies whatever MXCSR says) holds in every variant,
+    whatever the calling thread's own denormal mode, in every worker thread."""
+    sub = FLT_MIN / 4  # a float32 (and bfloat16) subnormal
+    g = torch.Generator().manual_seed(1)
+    with kernels.use_isa(isa):
+        for flush in (False, True):
+            torch.set_flush_denormal(flush)
+            try:
+                for dtype in (torch.float32, torch.bfloat16):
+                    w = torch.randn(40, 6, generator=g).to(dtype)
+                    packed = kernels.pack_weight(w)
+                    # a subnormal input contributes nothing, even beside a normal accumulator of its size
+                    x = torch.tensor([[sub, 0, 0, 0, 0, 0], [0] * 6], dtype=torch.float32).to(dtype)
+                    assert torch.equal(kernels.linear(x, packed, 40), torch.zeros(2, 40, dtype=dtype))
+                    # a product below FLT_MIN added to nothing is flushed (sign kept), never kept as a subnormal
+                    tiny = torch.full((1, 2), 2.0 ** -70).to(dtype)
+                    out = kernels.linear(tiny, kernels.pack_weight(torch.full((3, 2), -2.0 ** -70).to(dtype)), 3)
+                    assert torch.equal(bits(out), bits(torch.full((1, 3), -0.0, dtype=dtype)))
+                    assert kernels.rms_norm(torch.full((2, 5), sub).to(dtype), torch.ones(5, dtype=dtype), 0.0).isnan().all()
+            finally:
+                torch.set_flush_denormal(False)
+
+
+def test_nan_and_inf_have_one_defined_result_in_every_variant():
+    nan_bits = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
+    for dtype in DTYPES:
+        x = torch.randn(4, 33).to(dtype)
+        x[0, 3], x[1, 5], x[2, 7] = float("nan"), float("inf"), -float("inf")
+        w = torch.randn(20, 33).to(dtype)
+        outs = {}
+        for isa in VARIANTS:
+            with kernels.use_isa(isa):
+                outs[isa] = [kernels.linear(x, kernels.pack_weight(w), 20), kernels.silu(x), kernels.rms_norm(x, w[0], 1e-5)]
+        first = outs[VARIANTS[0]]
+        for isa, got in outs.items():
+            assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, first)), isa
+        lin = first[0]
+        assert lin[0].isnan().all() and (bits(lin[0]) == nan_bits[dtype]).all()  # the canonical quiet NaN
+        # silu as stock defines it at the ends: silu(inf) = inf, silu(-inf) = -inf * 0 = NaN (here canonical)
+        assert first[1][1, 5] == float("inf") and bits(first[1][0, 3]) == bits(first[1][2, 7]) == nan_bits[dtype]
+
+
+def test_the_isa_switch_refuses_unknown_and_unrunnable_variants(monkeypatch):
+    monkeypatch.setenv(kernels.ISA_ENV, "avx1024")
+    with pytest.raises(LosslessError, match="not a kernel variant: choose one of avx512bf16, avx512, avx2, scalar"):
+        kernels.isa()
+    monkeypatch.setenv(kernels.ISA_ENV, "scalar")
+    assert kernels.isa() == "scalar" and kernels.ops() is kernels.extension().scalar
+    monkeypatch.delenv(kernels.ISA_ENV)
+    assert kernels.isa() == VARIANTS[0]
+    kernels._resolve.cache_clear()
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"fma", "avx2", "f16c", "bmi2"}))
+    try:
+        with pytest.raises(LosslessError, match="this CPU cannot run that variant .it can run avx2, scalar"):
+            with kernels.use_isa("avx512bf16"):
+                pass
+    finally:
+        kernels._resolve.cache_clear()
+
+
+def test_the_cli_refuses_a_variant_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import save_tiny_model_dir
+
+    model_dir = save_tiny_model_dir(tmp_path / "tiny")
+    env = {**__import__("os").environ, kernels.ISA_ENV: "avx1024"}
+    proc = subprocess.run([sys.executable, "-m", "lossless", "generate", "--model", str(model_dir), "--attn", "exact",
+                           "--max-new-tokens", "2", "w1 w2"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "LOSSLESS_EXACT_ISA=avx1024" in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------ correctness
+def test_the_rotary_table_is_correctly_rounded_and_covers_any_position():
+    inv = kernels.default_inv_freq(100000.0, 64)
+    exponents = (np.arange(0, 64, 2, dtype=np.float32) / np.float32(64)).astype(np.float64)  # as Hugging Face rounds them
+    want = 100000.0 ** -exponents  # float64 reference
+    assert np.all(np.abs(inv.astype(np.float64) - want) <= np.spacing(inv).astype(np.float64) / 2)
+    cos, sin = kernels.rotary_table(inv, 5000, scaling=1.0)
+    theta = (torch.arange(5000, dtype=torch.float32)[:, None] * torch.from_numpy(inv)[None]).double()
+    theta = torch.cat([theta, theta], 1)
+    assert cos.shape == (5000, 64) and cos.dtype == torch.float32
+    assert torch.equal(cos, theta.cos().float()) and torch.equal(sin, theta.sin().float())  # correctly rounded
+    big = torch.tensor([3e5, 7.5e5, 1e6], dtype=torch.float64)
+    s, c = kernels.sincos64(big.numpy())
+    assert np.allclose(s, np.sin(big.numpy()), atol=1e-12) and np.allclose(c, np.cos(big.numpy()), atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@settings(max_examples=12, **SLOW)
+@given(data=st.data())
+def test_attention_matches_a_float64_reference(dtype, data):
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    kv = data.draw(st.integers(1, 3), label="kv heads")
+    heads = kv * data.draw(st.integers(1, 4), label="group")
+    d, n, q = (data.draw(st.integers(lo, hi), label=name) for name, lo, hi in (("d", 1, 130), ("keys", 1, 90), ("q", 1, 9)))
+    query, key, value = (torch.randn(*s, generator=g).to(dtype) for s in ((q, heads, d), (kv, n, d), (kv, n, d)))
+    visible = torch.rand(q, n, generator=g) < data.draw(st.floats(0.05, 1.0), label="density")
+    visible[:, data.draw(st.integers(0, n - 1), label="always seen")] = True
+    got = kernels.attention(query, key, value, visible, 1 / math.sqrt(d)).double()
+    k64, v64 = (t.double().repeat_interleave(heads // kv, dim=0) for t in (key, value))  # [h, n, d]
+    scores = torch.einsum("qhd,hnd->hqn", query.double(), k64) / math.sqrt(d)
+    probs = torch.softmax(scores.masked_fill(~visible[None], -math.inf), dim=-1)
+    want = torch.einsum("hqn,hnd->qhd", probs, v64)
+    # fp32: a sum of up to 90 products and a softmax, each rounded in fp32 (~1e-6); bf16/fp16: one rounding of the
+    # output to the dtype (the inputs are exact)
+    tol = 2e-6 if dtype == torch.float32 else torch.finfo(dtype).eps
+    assert torch.allclose(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_norm_and_silu_match_float64_to_their_rounding(dtype):
+    g = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(7, 300, generator=g) * 3).to(dtype), torch.randn(300, generator=g).to(dtype)
+    ulp = torch.finfo(dtype).eps
+    x64, w64 = x.double(), w.double()
+    silu = x64 / (1 + torch.exp(-x64))
+    # fp32: exp to ~2 ulp, then two roundings; bf16/fp16: the result rounded once to the dtype
+    assert torch.allclose(kernels.silu(x).double(), silu, rtol=4 * ulp if dtype == torch.float32 else ulp, atol=1e-30)
+    inv = 1 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    if dtype == torch.float32:
+        assert torch.allclose(kernels.rms_norm(x, w, 1e-6).double(), w64 * x64 * inv, rtol=8 * ulp, atol=0)
+    else:  # the Llama/Qwen order: x * inv rounded to the dtype, then times the weight, rounded again
+        inner = (x64 * inv).to(dtype).double()
+        assert torch.allclose(kernels.rms_norm(x, w, 1e-6).double(), w64 * inner, rtol=ulp, atol=0)
+
+
+def drawn_backbone(data, family: str):
+    """A 2-layer random Llama or Qwen3 of drawn shapes: GQA ratio, head_dim (rarely a multiple of 16), vocab
+    (rarely a multiple of 16), tied or untied embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    kv = data.draw(st.integers(1, 3), label="kv heads")
+    heads = kv * data.draw(st.integers(1, 3), label="group")
+    head_dim = data.draw(st.sampled_from([4, 6, 8, 10, 14, 16, 18, 24, 34]), label="head_dim")
+    cfg = dict(vocab_size=data.draw(st.integers(40, 300), label="vocab"), hidden_size=heads * head_dim,
+               intermediate_size=data.draw(st.integers(8, 200), label="intermediate"), num_hidden_layers=2,
+               num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, max_position_embeddings=128,
+               tie_word_embeddings=data.draw(st.booleans(), label="tied"),
+               rope_theta=data.draw(st.sampled_from([10000.0, 100000.0, 1e6]), label="rope theta"))
+    torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
+    model = LlamaForCausalLM(LlamaConfig(**cfg)) if family == "llama" else Qwen3ForCausalLM(Qwen3Config(**cfg))
+    return model.eval()
+
+
+@settings(max_examples=10, **SLOW)
+@given(data=st.data())
+def test_exact_fp32_logits_match_stock_fp32_logits(family, data):
+    """A rotary off by one, a wrong GQA head or a mask bug would hit AR and verification alike and pass every
+    equality test; against stock fp32 they would miss by O(1). The tolerance: both sides are fp32 with different
+    summation orders, a few ulps per op through two layers, so 1e-4 of the logits' scale is far above rounding
+    and far below any such bug."""
+    backbone = drawn_backbone(data, family)
+    stock = OrthrusLM(backbone, k=8)
+    ids = data.draw(st.lists(st.integers(0, backbone.config.vocab_size - 1), min_size=2, max_size=60), label="ids")
+    split = data.draw(st.integers(1, len(ids) - 1), label="prefill")
+    cache, first = stock.prefill(ids[:split])
+    want = torch.cat([first[None], stock.verify(cache, ids[split:])])
+    import copy
+
+    exact = OrthrusLM(copy.deepcopy(backbone), k=8)
+    exact.set_attn("exact")
+    cache, first = exact.prefill(ids[:split])
+    got = torch.cat([first[None], exact.verify(cache, ids[split:])])
+    scale = float(want.abs().max())
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * scale), float((got - want).abs().max() / scale)
+
+
+# -------------------------------------------------------------------------------------------- borders
+def test_the_fused_cycle_decodes_up_to_the_end_of_the_context(family):
+    """Draft groups reach k - 3 positions past the last token a request may commit; the table grows to them."""
+    model = OrthrusLM(tiny_backbone(family), k=8)
+    perturb_head(model, 0.3)
+    model.set_attn("exact")
+    assert model.max_positions == 256
+    prompt = torch.randint(0, 63, (240,), generator=torch.Generator().manual_seed(0)).tolist()
+    cfg = DecodeConfig(max_new_tokens=16, eos_ids=NO_EOS, k=8)
+    ar = decode(model, prompt, "ar", cfg).generated
+    for extra in (dict(cycle="fused"), dict(cycle="fused", lookup=16), dict(tree=8, lookup=16)):
+        assert decode(model, prompt, "orthrus", dataclasses.replace(cfg, **extra)).generated == ar, extra
+    rotary = model.backbone.model.rotary_emb
+    assert max(t[0].shape[0] for t in rotary._lossless_tables.values()) >= 256 + 8 - 3
+
+
+def test_models_exact_mode_cannot_serve_are_refused_by_name(family):
+    from transformers.activations import GELUActivation
+
+    def fresh(**config):
+        backbone = tiny_backbone(family)
+        for key, value in config.items():
+            setattr(backbone.config, key, value)
+        return OrthrusLM(backbone, k=8)
+
+    model = fresh()
+    model.backbone.model.layers[1].mlp.act_fn = GELUActivation()
+    with pytest.raises(LosslessError, match=r"activation model.layers.1.mlp.act_fn \(GELUActivation\)"):
+        model.set_attn("exact")
+    model = fresh()
+    model.backbone.model.layers[0].extra = torch.nn.Conv1d(2, 2, 1)
+    with pytest.raises(LosslessError, match=r"no kernel for model.layers.0.extra \(Conv1d\); use --attn sdpa"):
+        model.set_attn("exact")
+    model = fresh()
+    model.backbone.model.norm = torch.nn.LayerNorm(32)
+    with pytest.raises(LosslessError, match=r"norm model.norm \(LayerNorm: not a Llama/Qwen RMSNorm\)"):
+        model.set_attn("exact")
+    model = fresh(layer_types=["full_attention", "sliding_attention"], sliding_window=16)
+    with pytest.raises(LosslessError, match="sliding-window attention"):
+        model.set_attn("exact")
+    model = fresh()
+    model.backbone.model.rotary_emb.rope_type = "dynamic"
+    with pytest.raises(LosslessError, match="'dynamic' RoPE"):
+        model.set_attn("exact")
