@@ -224,32 +224,85 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t n, const
   });
 }
 
-// B consecutive key tiles ([B, d, 16] floats) against one query: 16 * B scores, each one fma chain over d
-template <int B>
-inline void score_tiles(const float* qf, int64_t d, const float* tiles, float* out) {
-  V16 acc[B];
-  for (int b = 0; b < B; ++b) acc[b] = V16::zero();
+// B consecutive key tiles ([B, d, 16] floats) against G queries (heads sharing these keys; query g at q + g * d):
+// 16 * B scores per query, each one fma chain over d. The G * B chains advance side by side and share each load.
+template <int G, int B>
+inline void score_tiles(const float* q, int64_t d, const float* tiles, float* out, int64_t stride) {
+  V16 acc[G][B];
+  for (int g = 0; g < G; ++g)
+    for (int b = 0; b < B; ++b) acc[g][b] = V16::zero();
   for (int64_t t = 0; t < d; ++t) {
-    const V16 qt = V16::splat(qf[t]);
-    for (int b = 0; b < B; ++b) acc[b] = acc[b].fma(qt, V16::load(tiles + (b * d + t) * LANES));
+    V16 k[B];
+    for (int b = 0; b < B; ++b) k[b] = V16::load(tiles + (b * d + t) * LANES);
+    for (int g = 0; g < G; ++g) {
+      const V16 qt = V16::splat(q[g * d + t]);
+      for (int b = 0; b < B; ++b) acc[g][b] = acc[g][b].fma(qt, k[b]);
+    }
   }
-  for (int b = 0; b < B; ++b) acc[b].store(out + b * LANES);
+  for (int g = 0; g < G; ++g)
+    for (int b = 0; b < B; ++b) acc[g][b].store(out + g * stride + b * LANES);
 }
 
-// C chunks of 16 head-dim lanes, t0 .. t0 + 16C, of one output row: for each lane, one fma chain over the
-// visible keys in key order (score_j * v_j[t]); the C chains advance side by side, never merged. `v` holds the
-// values as fp32 rows of dp >= d lanes (zeros past d).
-template <int C>
-inline void weighted_values(const std::vector<float>& scores, const std::vector<int32_t>& keys, const float* v,
+// C chunks of 16 head-dim lanes, t0 .. t0 + 16C, of G output rows (heads sharing these values; head g's scores at
+// scores + g * stride): for each lane, one fma chain over the visible keys in key order (score_j * v_j[t]); the
+// G * C chains advance side by side and share each load, never merged. `v` holds the values as fp32 rows of
+// dp >= d lanes (zeros past d).
+template <int G, int C>
+inline void weighted_values(const float* scores, int64_t stride, const std::vector<int32_t>& keys, const float* v,
                             int64_t dp, int64_t t0, float* acc) {
-  V16 sum[C];
-  for (int c = 0; c < C; ++c) sum[c] = V16::zero();
+  V16 sum[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) sum[g][c] = V16::zero();
   for (size_t j = 0; j < keys.size(); ++j) {
-    const V16 s = V16::splat(scores[j]);
     const float* vj = v + keys[j] * dp + t0;
-    for (int c = 0; c < C; ++c) sum[c] = sum[c].fma(s, V16::load(vj + c * LANES));
+    V16 val[C];
+    for (int c = 0; c < C; ++c) val[c] = V16::load(vj + c * LANES);
+    for (int g = 0; g < G; ++g) {
+      const V16 s = V16::splat(scores[g * stride + j]);
+      for (int c = 0; c < C; ++c) sum[g][c] = sum[g][c].fma(s, val[c]);
+    }
   }
-  for (int c = 0; c < C; ++c) sum[c].store(acc + t0 + c * LANES);
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) sum[g][c].store(acc + g * dp + t0 + c * LANES);
+}
+
+// One row's attention for G heads of one kv head (queries qf [G, d] in fp32): scores of every key up to the last
+// visible one, then per head the max, exp and sum over the visible keys and the weighted values, each in key order.
+template <int G>
+inline void attend_heads(const float* qf, int64_t d, int64_t dp, const float* kt, const float* vk,
+                         const std::vector<int32_t>& seen, float scale, std::vector<float>& all,
+                         std::vector<float>& scores, std::vector<float>& acc, float* total) {
+  const int64_t used = seen.back() / LANES + 1, stride = used * LANES;
+  all.resize(static_cast<size_t>(G * stride));
+  int64_t tile = 0;
+  constexpr int B = G <= 2 ? 4 : (G == 3 ? 4 : 3);  // G * B accumulators within the 32 (AVX-512) registers
+  for (; tile + B <= used; tile += B)
+    score_tiles<G, B>(qf, d, kt + tile * d * LANES, all.data() + tile * LANES, stride);
+  for (; tile < used; ++tile) score_tiles<G, 1>(qf, d, kt + tile * d * LANES, all.data() + tile * LANES, stride);
+  const size_t m = seen.size(), full = m / LANES * LANES;
+  scores.resize(static_cast<size_t>(G) * m);
+  for (int g = 0; g < G; ++g) {
+    float* sp = scores.data() + g * m;
+    const float* ap = all.data() + g * stride;
+    float best = -INFINITY;
+    for (size_t j = 0; j < m; ++j) {
+      sp[j] = ap[seen[j]] * scale;
+      best = sp[j] > best ? sp[j] : best;
+    }
+#pragma omp simd  // lane-wise: each element the same operations, whatever the width
+    for (size_t j = 0; j < m; ++j) sp[j] = exp_fixed(sp[j] - best);
+    float lanes[LANES] = {0};
+    for (size_t j = 0; j < full; j += LANES)
+      for (int64_t l = 0; l < LANES; ++l) lanes[l] += sp[j + l];
+    for (size_t j = full; j < m; ++j) lanes[j - full] += sp[j];
+    total[g] = tree16(lanes);
+  }
+  acc.resize(static_cast<size_t>(G * dp));
+  int64_t t = 0;
+  constexpr int C = G <= 2 ? 4 : 2;
+  for (; t + C * LANES <= dp; t += C * LANES)
+    weighted_values<G, C>(scores.data(), static_cast<int64_t>(m), seen, vk, dp, t, acc.data());
+  for (; t < dp; t += LANES) weighted_values<G, 1>(scores.data(), static_cast<int64_t>(m), seen, vk, dp, t, acc.data());
 }
 
 template <typename T>
@@ -285,44 +338,34 @@ void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Te
       }
     }
   });
-  at::parallel_for(0, q * h, 1, [&](int64_t a0, int64_t a1) {
+  // work items: (row, kv head, up to `per` of its query heads); with few rows one head per item, so every thread
+  // has work (a decode step). Which heads share an item never changes a bit: each output is its own chain.
+  const int64_t per = q * kvh >= 2 * at::get_num_threads() ? 4 : 1, parts = (groups + per - 1) / per;
+  at::parallel_for(0, q * kvh * parts, 1, [&](int64_t a0, int64_t a1) {
     const FlushDenormals flush_here;
-    std::vector<float> all(static_cast<size_t>(tiles * LANES)), scores, acc(dp), qf(d);
+    std::vector<float> all, scores, acc, qf(static_cast<size_t>(4 * d));
+    float total[4];
     for (int64_t a = a0; a < a1; ++a) {
-      const int64_t row = a / h, head = a % h, kv = head / groups;
+      const int64_t row = a / (kvh * parts), kv = a / parts % kvh, h0 = kv * groups + a % parts * per;
+      const int64_t g_count = std::min<int64_t>(per, kv * groups + groups - h0);
       const std::vector<int32_t>& seen = keys[row];
-      T* o = op + (row * h + head) * d;
       if (seen.empty()) {
-        for (int64_t t = 0; t < d; ++t) o[t] = from_float<T>(0.0f);
+        for (int64_t e = 0; e < g_count * d; ++e) op[(row * h + h0) * d + e] = from_float<T>(0.0f);
         continue;
       }
-      const T* qr = qp + (row * h + head) * d;
-      for (int64_t t = 0; t < d; ++t) qf[t] = to_float(qr[t]);
-      // scores of every key up to the last visible one (each one chain over d, whatever else is scored)
-      const int64_t used = seen.back() / LANES + 1;
-      int64_t tile = 0;
-      for (; tile + 4 <= used; tile += 4) score_tiles<4>(qf.data(), d, kt.data() + (kv * tiles + tile) * d * LANES,
-                                                         all.data() + tile * LANES);
-      for (; tile < used; ++tile) score_tiles<1>(qf.data(), d, kt.data() + (kv * tiles + tile) * d * LANES,
-                                                 all.data() + tile * LANES);
-      const size_t m = seen.size(), full = m / LANES * LANES;
-      scores.resize(m);
-      float best = -INFINITY;
-      for (size_t j = 0; j < m; ++j) {
-        scores[j] = all[seen[j]] * scale;
-        best = scores[j] > best ? scores[j] : best;
-      }
-      for (size_t j = 0; j < m; ++j) scores[j] = exp_fixed(scores[j] - best);
-      float lanes[LANES] = {0};
-      for (size_t j = 0; j < full; j += LANES)
-        for (int64_t l = 0; l < LANES; ++l) lanes[l] += scores[j + l];
-      for (size_t j = full; j < m; ++j) lanes[j - full] += scores[j];
-      const float total = tree16(lanes);
+      for (int64_t e = 0; e < g_count * d; ++e) qf[e] = to_float(qp[(row * h + h0) * d + e]);
+      const float* ktk = kt.data() + kv * tiles * d * LANES;
       const float* vk = vf.data() + kv * n * dp;
-      int64_t t = 0;
-      for (; t + 4 * LANES <= dp; t += 4 * LANES) weighted_values<4>(scores, seen, vk, dp, t, acc.data());
-      for (; t < dp; t += LANES) weighted_values<1>(scores, seen, vk, dp, t, acc.data());
-      for (int64_t e = 0; e < d; ++e) o[e] = from_float<T>(acc[e] / total);
+      switch (g_count) {
+        case 1: attend_heads<1>(qf.data(), d, dp, ktk, vk, seen, scale, all, scores, acc, total); break;
+        case 2: attend_heads<2>(qf.data(), d, dp, ktk, vk, seen, scale, all, scores, acc, total); break;
+        case 3: attend_heads<3>(qf.data(), d, dp, ktk, vk, seen, scale, all, scores, acc, total); break;
+        default: attend_heads<4>(qf.data(), d, dp, ktk, vk, seen, scale, all, scores, acc, total); break;
+      }
+      for (int64_t g = 0; g < g_count; ++g) {
+        T* o = op + (row * h + h0 + g) * d;
+        for (int64_t e = 0; e < d; ++e) o[e] = from_float<T>(acc[g * dp + e] / total[g]);
+      }
     }
   });
 }
