@@ -81,6 +81,16 @@ def perturb_head(model: OrthrusLM, scale: float = 1.0, seed: int = 1234) -> None
             p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * scale * (std or 1.0))
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now: a launched group's rendezvous gets its own, instead of
+    torchrun's fixed default, which an earlier group's socket may still hold."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def tiny_tokenizer(vocab: int = VOCAB):
     """A word-level tokenizer over "<s> w1 .. w{vocab-3} <unk> </s>" (ids 0 .. vocab-1, EOS = vocab-1)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

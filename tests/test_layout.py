@@ -51,3 +51,17 @@ def test_the_shared_modules_and_the_jobs_are_where_the_map_says():
         assert (PACKAGE / f"{name}.py").is_file(), name
     for job in JOBS:
         assert (PACKAGE / job / "__init__.py").is_file(), job
+
+
+def test_no_writers_temporary_file_is_tracked():
+    """An atomic writer's temporary (`.NAME.PID.tmp`) left by a killed run is ignored by git, and none is committed."""
+    import subprocess
+
+    root = PACKAGE.parents[1]
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    assert [f for f in tracked.stdout.splitlines() if f.endswith(".tmp")] == []
+    probe = "results/full-study/records/.shard-0-of-2.20261130T220506.jsonl.gz.22687.tmp"
+    ignored = subprocess.run(["git", "check-ignore", "-q", probe], cwd=root)
+    assert ignored.returncode == 0, "a writer's temporary file would not be ignored"

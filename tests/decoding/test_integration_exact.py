@@ -60,13 +60,13 @@ def test_exact_bits_belong_to_the_model_not_the_variant_or_thread_count(dtype, e
     ids = encode_prompt(model.tokenizer, PROMPTS[0])
     before = torch.get_num_threads()
     try:
-        want = golden.fingerprint(model, ids, 6)
-        cfg = DecodeConfig(max_new_tokens=20)
+        want = golden.fingerprint(model, ids, 4)
+        cfg = DecodeConfig(max_new_tokens=16)
         ar = decode(model, ids, "ar", cfg).generated
         for i, (isa, threads) in enumerate(itertools.product(kernels.runnable_isas(), (1, 2, 3))):
             torch.set_num_threads(threads)
             with kernels.use_isa(isa):
-                assert golden.fingerprint(model, ids, 6) == want, (isa, threads)  # logits, bit for bit
+                assert golden.fingerprint(model, ids, 4) == want, (isa, threads)  # logits, bit for bit
                 if threads == 1 + i // 3 % 3:  # each variant decodes every cycle, at one of the thread counts
                     for name, extra in CYCLES.items():
                         got = decode(model, ids, "orthrus", dataclasses.replace(cfg, **extra)).generated
@@ -84,8 +84,8 @@ def test_the_golden_trajectories_are_reproduced_bit_for_bit(dtype, exact_bf16):
 
 
 def test_exact_bf16_orthrus_equals_exact_ar_in_every_cycle(exact_bf16):
-    cfg = DecodeConfig(max_new_tokens=40)
-    for prompt in (*PROMPTS[1:], *suite_prompts(domains=2)):
+    cfg = DecodeConfig(max_new_tokens=32)
+    for prompt in (*PROMPTS[1:], *suite_prompts(domains=1)):
         ids = encode_prompt(exact_bf16.tokenizer, prompt)
         ar = decode(exact_bf16, ids, "ar", cfg).generated
         for name, extra in CYCLES.items():

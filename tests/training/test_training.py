@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import NO_EOS, ar_reference, perturb_head, tiny_orthrus
+from conftest import NO_EOS, ar_reference, free_port, perturb_head, tiny_orthrus
 from lossless.decoding.loop import DecodeConfig, decode
 from lossless.decoding.dualview import block_visibility
 from lossless.errors import LosslessError
@@ -155,6 +155,7 @@ def test_two_process_ddp_run_keeps_processes_in_sync(tmp_path):
     here = Path(__file__).parent  # the script imports this folder's tests and the conftest above it
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--main_process_port", str(free_port()),
            "--mixed_precision", "no", "--dynamo_backend", "no", str(Path(__file__).parent / "ddp_train_script.py"),
            str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

@@ -60,6 +60,18 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo; the platform's processor or machine where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def runnable_isas() -> list[str]:
     """The variants this CPU can execute, fastest first (outside x86-64: the scalar one)."""
     if platform.machine() not in ("x86_64", "AMD64"):

@@ -183,14 +183,9 @@ def launcher_state():
 
 def machine_id() -> str:
     """What a record's bf16/fp16 rounding depends on: CPU model and ISA, torch build, intra-op threads."""
-    from ..decoding.kernels import cpu_flags
+    from ..decoding.kernels import cpu_flags, cpu_model
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = cpu_model()
     isa = torch.backends.cpu.get_cpu_capability()
     native = sorted(f for f in ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16") if f in cpu_flags())
     threads = torch.get_num_threads()

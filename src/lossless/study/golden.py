@@ -15,7 +15,6 @@ import argparse
 import datetime
 import hashlib
 import json
-import platform
 import re
 from pathlib import Path
 
@@ -53,12 +52,7 @@ def op_digests(model: OrthrusLM, prompt_ids: list[int]) -> list[list[str]]:
 def machine() -> dict:
     from ..decoding import kernels
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = kernels.cpu_model()
     wide = sorted(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16") if f in kernels.cpu_flags())
     return {"cpu": cpu, "flags": wide, "isa": kernels.isa(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "kernels": kernels.source_digest(), "date": datetime.date.today().isoformat()}
