@@ -16,6 +16,7 @@ import torch
 from conftest import free_port, perturb_head, save_tiny_model_dir, tiny_backbone, tiny_tokenizer
 from lossless.study.audit import (AuditConfig, interleave_domains, limit_per_domain, load_suite, locate_head, parse_config,
                             run_audit)
+from lossless.decoding import kernels
 from lossless.decoding.head import stored_head_digest
 from lossless.study.records import read_records
 from lossless.cli import main
@@ -296,6 +297,10 @@ def test_exact_mode_is_compared_with_exact_and_stock_references(tmp_path):
     assert info["planned"] == len(records) == 12
     exact_ref = [r for r in records if r["reference_attn"] == "exact"]
     assert len(exact_ref) == 6 and all(r["exact_match"] for r in exact_ref)
+    # every record names the exact kernels that decoded it (source digest and variant); stock ones name none
+    build = f"{kernels.source_digest()}/{kernels.isa()}"
+    assert {r["kernels"] for r in records} == {build}
+    assert {(r["reference_attn"], r["reference_kernels"]) for r in records} == {("exact", build), ("sdpa", None)}
     summary = write_report(out)
     labels = {c["label"]: c for c in summary["configs"]}
     assert labels["bf16/exact"]["exact_match_rate"] == 1.0 and "bf16/exact vs AR-sdpa" in labels

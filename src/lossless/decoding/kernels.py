@@ -123,6 +123,7 @@ def _build_key(cflags: list[str]) -> str:
     return digest.hexdigest()[:16]
 
 
+@lru_cache(maxsize=1)
 def source_digest() -> str:
     """sha256 (16 hex digits) of the kernel sources: what decoded a record, together with `isa()`."""
     digest = hashlib.sha256()

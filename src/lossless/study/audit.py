@@ -45,7 +45,7 @@ from . import candidates as cands
 from ..decoding.loop import DecodeConfig, decode
 from ..dtypes import dtype_name
 from ..errors import LosslessError, not_utf8
-from ..names import ATTN_KERNELS, positive_int
+from ..names import ATTN_KERNELS, EXACT, positive_int
 from ..paths import check_writable_dir, exclusive_lock, write_atomically
 from ..decoding.model import OrthrusLM
 from .records import RecordStore, read_records, writer_name
@@ -325,6 +325,16 @@ def record_key(prompt_id: str, dtype: str, attn: str, reference_attn: str | None
             + suffix)
 
 
+def kernel_build(attn: str) -> str | None:
+    """Which exact-mode kernels decode under `attn`: "<source digest>/<variant>" (their bits are the same on any
+    machine, not across kernel versions), None for stock kernels (whose bits the record's machine names)."""
+    if attn != EXACT:
+        return None
+    from ..decoding import kernels
+
+    return f"{kernels.source_digest()}/{kernels.isa()}"
+
+
 def pair_record(prompt: dict, prompt_ids: list[int], dtype: str, attn: str, reference_attn: str,
                 max_new_tokens: int, ref: Reference, run: cands.CandidateRun, candidate: str = cands.DEFAULT,
                 machine: str = "", head: str = "") -> dict:
@@ -356,6 +366,7 @@ def pair_record(prompt: dict, prompt_ids: list[int], dtype: str, attn: str, refe
         # later configuration can reuse this reference and still report its margin at divergence
         "ar_margins": [round(m, 4) for m in ref.margins],
         "machine": machine, "head": head,
+        "kernels": kernel_build(attn), "reference_kernels": kernel_build(reference_attn),
     }
 
 
@@ -414,9 +425,10 @@ def plan_work(cfg: AuditConfig, suite: list[dict]) -> list[tuple[dict, str, str]
 
 def _reusable(records: list[dict], machine: str) -> dict[tuple[str, str, str], dict]:
     """Records whose AR reference another item or candidate may reuse, by (prompt id, dtype, reference
-    kernel): references made on this machine, with their margins."""
+    kernel): references made on this machine (exact ones by today's exact kernels), with their margins."""
     return {(r["prompt_id"], r["dtype"], r["reference_attn"]): r for r in records
-            if r.get("machine") == machine and "ar_margins" in r and r.get("reference_attn")}
+            if r.get("machine") == machine and "ar_margins" in r and r.get("reference_attn")
+            and r.get("reference_kernels") == kernel_build(r["reference_attn"])}  # an exact reference: today's kernels
 
 
 def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, command: list[str] | None = None,
