@@ -115,9 +115,7 @@ def use_isa(name: str):
 
 
 def _build_key(cflags: list[str]) -> str:
-    digest = hashlib.sha256()
-    for source in SOURCES:
-        digest.update(source.read_bytes())
+    digest = hashlib.sha256(source_digest().encode())
     for part in (" ".join(cflags), torch.__version__, platform.machine()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
