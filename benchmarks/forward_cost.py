@@ -8,9 +8,12 @@ At a fixed cache length it times, alternating in one process (medians over round
 - the two-pass draft pass (k rows of the draft view),
 - fused forwards `verify_and_draft` for each `--fused k:groups` setting (k verify rows plus `groups`
   draft groups of k rows),
-and profiles a decode step and a 9-row verify by op family (linear layers, LM head, attention, norms and
-activations, the rest; exact mode's kernels are counted under the family they replace) and the fused forward
-of the first setting (its draft groups' LM head call included). The last stdout line is one JSON object.
+and the memory floor: one read of every byte of the linear weights a decode step reads (exact mode's packed panels where a
+kernel has them), at 1 and 2 threads and at the run's thread count, timed in the same rounds, so every forward
+is also a multiple of the floor at the run's threads. It profiles a decode step and a 9-row verify by op family
+(linear layers, LM head, attention, norms and activations, the rest; exact mode's kernels are counted under the
+family they replace) and the fused forward of the first setting (its draft groups' LM head call included).
+The last stdout line is one JSON object.
 
     python benchmarks/forward_cost.py --dtype bf16 --cache 200 --attn sdpa,exact --fused 3:3,4:2
 """
@@ -95,6 +98,43 @@ def profile_ops(fn, rounds: int = 3) -> dict[str, float]:
     return {k: round(v, 2) for k, v in out.items()}
 
 
+def weight_tensors(model, step) -> list[torch.Tensor]:
+    """Every linear weight that `step()` (a decode step) reads, once each (LM head included): exact mode's packed
+    panels where a layer has them, else the stock weight. The draft view's own weights are not a step's."""
+    used: dict[int, torch.nn.Linear] = {}
+    hooks = [m.register_forward_hook(lambda m, *_: used.update({id(m): m}))  # (returns None: the output stays)
+             for m in model.backbone.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        step()
+    finally:
+        for h in hooks:
+            h.remove()
+    seen, out = set(), []
+    for module in used.values():
+        w = getattr(module, "_lossless_packed", None)
+        w = module.weight if w is None else w
+        if w.data_ptr() not in seen:
+            seen.add(w.data_ptr())
+            out.append(w.detach())
+    return out
+
+
+def floor_call(tensors: list[torch.Tensor], threads: int):
+    """A call that streams `tensors` once at `threads` threads (the run's own count restored after)."""
+    from lossless.decoding import kernels
+
+    stream = kernels.stream
+
+    def call():
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            stream(tensors)
+        finally:
+            torch.set_num_threads(before)
+    return call
+
+
 def forwards(model, cache, n: int, fused: list[tuple[int, int]]) -> dict[str, tuple]:
     """{name: (call, rows)} of the forwards this benchmark times, each leaving the cache at n + 1 positions."""
     token = 42
@@ -136,19 +176,33 @@ def main(argv=None) -> int:
         cache, _ = model.prefill(prompt)
         setups[a] = (model, cache, cache.get_seq_length())
     calls = {a: forwards(model, cache, n, fused) for a, (model, cache, n) in setups.items()}
-    times: dict[tuple[str, str], list[float]] = {(a, name): [] for a in calls for name in calls[a]}
-    for a in calls:  # warm-up
+    for a in calls:  # warm-up (exact mode packs its weights on its first forward)
         for fn, _ in calls[a].values():
             fn()
+    weights = weight_tensors(models[kernels[-1]], calls[kernels[-1]]["ar 1 row"][0])
+    threads = torch.get_num_threads()
+    floor_threads = sorted({t for t in (1, 2, threads) if t <= max(threads, 2)})
+    floors = {t: floor_call(weights, t) for t in floor_threads}
+    times: dict[tuple[str, str], list[float]] = {(a, name): [] for a in calls for name in calls[a]}
+    times.update({("floor", t): [] for t in floors})
+    for fn in floors.values():
+        fn()
     for _ in range(args.rounds):
+        for t, fn in floors.items():
+            start = time.perf_counter()
+            fn()
+            times[("floor", t)].append(time.perf_counter() - start)
         for a in calls:
             for name, (fn, _) in calls[a].items():
                 t = time.perf_counter()
                 fn()
                 times[(a, name)].append(time.perf_counter() - t)
+    floor = {t: statistics.median(times[("floor", t)]) for t in floors}
+    mbytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
     step = {a: statistics.median(times[(a, "ar 1 row")]) for a in calls}
     summary = {a: {name: {"rows": rows, "ms": round(1000 * statistics.median(times[(a, name)]), 2),
                           "vs_step": round(statistics.median(times[(a, name)]) / step[a], 3),
+                          "vs_floor": round(statistics.median(times[(a, name)]) / floor[threads], 3),
                           f"vs_{kernels[0]}": round(statistics.median(times[(a, name)]) /
                                                     statistics.median(times[(kernels[0], name)]), 3)}
                    for name, (_, rows) in calls[a].items()} for a in calls}
@@ -161,18 +215,23 @@ def main(argv=None) -> int:
     for a, model in models.items():
         if model.exact_ops:
             print(f"{a} kernels: {'; '.join(model.exact_ops)}")
-    print(f"{'forward':<24}{'rows':>5}" + "".join(f"{a + ' ms':>12}{'x step':>8}" for a in kernels)
+    print(f"floor: one read of the {len(weights)} linear weights ({mbytes:.0f} MB) "
+          + ", ".join(f"{1000 * floor[t]:.1f} ms at {t} thread{'s' if t > 1 else ''} ({mbytes / 1000 / floor[t]:.1f} GB/s)"
+                      for t in floors))
+    print(f"{'forward':<24}{'rows':>5}" + "".join(f"{a + ' ms':>12}{'x step':>8}{'x floor':>8}" for a in kernels)
           + "".join(f"{a + '/' + kernels[0]:>14}" for a in kernels[1:]))
     for name, (_, rows) in calls[kernels[0]].items():
         print(f"{name:<24}{rows:>5}" + "".join(f"{summary[a][name]['ms']:>12.1f}{summary[a][name]['vs_step']:>8.2f}"
-                                               for a in kernels)
+                                               f"{summary[a][name]['vs_floor']:>8.2f}" for a in kernels)
               + "".join(f"{summary[a][name]['vs_' + kernels[0]]:>14.2f}" for a in kernels[1:]))
     print("one forward by op family (ms, profiler self time):")
     print(f"  {'kernel':<8}{'forward':<22}" + "".join(f"{f:>20}" for f in FAMILIES))
     for a, parts in breakdown.items():
         for name, ops in parts.items():
             print(f"  {a:<8}{name:<22}" + "".join(f"{ops[f]:>20.1f}" for f in FAMILIES))
-    print(json.dumps({"forwards": summary, "breakdown": breakdown}))
+    print(json.dumps({"forwards": summary, "breakdown": breakdown, "threads": threads,
+                      "floor": {"mb": round(mbytes, 1), **{f"ms_{t}_thread{'s' if t > 1 else ''}": round(1000 * floor[t], 2)
+                                                         for t in floors}}}))
     return 0
 
 

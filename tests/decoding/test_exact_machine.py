@@ -68,6 +68,21 @@ def test_every_variant_and_thread_count_gives_the_same_bits(dtype, data):
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
+def test_stream_reads_every_word_of_every_tensor(isa):
+    """The floor benchmark's read: one set bit anywhere, in any tensor of odd size, shows in the result."""
+    tensors = [torch.zeros(n, dtype=torch.int32) for n in (1, 17, 16384 * 3 + 5, 70001)]
+    with kernels.use_isa(isa):
+        assert kernels.stream(tensors) == 0
+        for t in tensors:
+            for at in {0, t.numel() // 2, t.numel() - 1}:
+                t[at] = 1 << (at % 31)
+                assert kernels.stream(tensors) == 1 << (at % 31), (t.numel(), at)
+                t[at] = 0
+        tensors[2][-1], tensors[0][0] = 1 << 30, 5
+        assert kernels.stream(tensors) == (1 << 30) | 5
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
 def test_subnormals_read_as_zero_and_results_flush_in_every_variant(isa):
     """The denormal rule (the one the AVX-512 BF16 dot product applies whatever MXCSR says) holds in every variant,
     whatever the calling thread's own denormal mode, in every worker thread."""

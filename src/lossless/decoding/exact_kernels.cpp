@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -155,6 +156,7 @@ namespace isa_scalar {
     sub.def("attention", &isa_##NS::attention, "softmax attention over each row's visible keys, in key order");   \
     sub.def("rms_norm", &isa_##NS::rms_norm, "Llama/Qwen RMSNorm, statistics in a fixed order");                  \
     sub.def("silu", &isa_##NS::silu, "x * sigmoid(x) with a fixed exp");                                          \
+    sub.def("stream", &isa_##NS::stream, "read every byte of the tensors once (the memory floor); an OR of them");  \
   } while (0)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -211,6 +211,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
+def stream(tensors: list[torch.Tensor]) -> int:
+    """Read every byte of `tensors` once, as fast as the threads can (the memory floor a forward is measured
+    against); returns the OR of all their 32-bit words (so the reads cannot be skipped). Each tensor's bytes must
+    be a whole number of 32-bit words (a trailing half word is not read)."""
+    return int(ops().stream([t.contiguous() for t in tensors]))
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     return ops().silu(x.contiguous())
 
