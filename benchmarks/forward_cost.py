@@ -11,8 +11,9 @@ At a fixed cache length it times, alternating in one process (medians over round
 and the memory floor: one read of every byte of the linear weights a decode step reads (exact mode's packed panels where a
 kernel has them), at 1 and 2 threads and at the run's thread count, timed in the same rounds, so every forward
 is also a multiple of the floor at the run's threads. It profiles a decode step and a 9-row verify by op family
-(linear layers, LM head, attention, norms and activations, the rest; exact mode's kernels are counted under the
-family they replace) and the fused forward of the first setting (its draft groups' LM head call included).
+(linear layers, LM head, attention, norms and activations, exact mode's fused decoder layers, the rest; exact
+mode's kernels are counted under the family they replace; its step and verify also module by module, the
+decoder layers unfused, for the split inside them) and the fused forward of the first setting (its draft groups' LM head call included).
 The last stdout line is one JSON object.
 
     python benchmarks/forward_cost.py --dtype bf16 --cache 200 --attn sdpa,exact --fused 3:3,4:2
@@ -30,6 +31,7 @@ from contextlib import contextmanager
 import torch
 
 import lossless
+from lossless.decoding.exact import layer_modules
 from lossless.decoding.loop import commit_cache
 from lossless.errors import LosslessError
 
@@ -42,7 +44,7 @@ def parse_fused(text: str) -> tuple[int, int]:
         raise LosslessError(f"--fused '{text}': expected k:groups, e.g. 4:2") from None
 
 
-FAMILIES = ("linear (GEMM)", "LM head (GEMM)", "attention", "norm + activation", "other")
+FAMILIES = ("linear (GEMM)", "LM head (GEMM)", "attention", "norm + activation", "fused layers", "other")
 
 
 @contextmanager
@@ -52,7 +54,7 @@ def labelled_exact_kernels():
 
     from lossless.decoding import kernels
 
-    saved = {name: getattr(kernels, name) for name in ("linear", "attention", "rms_norm", "silu")}
+    saved = {name: getattr(kernels, name) for name in ("linear", "attention", "rms_norm", "silu", "layer_in", "layer_out")}
 
     def wrap(name, fn):
         def call(*args, **kwargs):
@@ -73,15 +75,15 @@ def labelled_exact_kernels():
 def family(key: str, shapes) -> str | None:
     """The op family of a profiler event (None: counted inside another event)."""
     if key.startswith("exact::"):
-        return {"exact::linear": FAMILIES[0], "exact::lm_head": FAMILIES[1], "exact::attention": FAMILIES[2]}.get(
-            key, FAMILIES[3])
+        return {"exact::linear": FAMILIES[0], "exact::lm_head": FAMILIES[1], "exact::attention": FAMILIES[2],
+                "exact::layer_in": FAMILIES[4], "exact::layer_out": FAMILIES[4]}.get(key, FAMILIES[3])
     if key in ("aten::mm", "aten::addmm", "aten::bmm"):
         return FAMILIES[1] if any(len(s) == 2 and s[-1] > 10000 for s in (shapes or []) if s) else FAMILIES[0]
     if "attention" in key:
         return FAMILIES[2]
     if key in ("aten::silu", "aten::rsqrt", "aten::pow", "aten::mean"):
         return FAMILIES[3]
-    return FAMILIES[4]
+    return FAMILIES[5]
 
 
 def profile_ops(fn, rounds: int = 3) -> dict[str, float]:
@@ -105,7 +107,8 @@ def weight_tensors(model, step) -> list[torch.Tensor]:
     hooks = [m.register_forward_hook(lambda m, *_: used.update({id(m): m}))  # (returns None: the output stays)
              for m in model.backbone.modules() if isinstance(m, torch.nn.Linear)]
     try:
-        step()
+        with layer_modules():  # module by module, so every linear layer's hook sees its call
+            step()
     finally:
         for h in hooks:
             h.remove()
@@ -208,7 +211,16 @@ def main(argv=None) -> int:
                    for name, (_, rows) in calls[a].items()} for a in calls}
     first = next(iter(calls[kernels[0]]))
     k0, g0 = fused[0] if fused else (None, None)
+    def modules(fn):
+        def call():
+            with layer_modules():
+                fn()
+        return call
+
     breakdown = {a: {"step": profile_ops(calls[a][first][0]), "verify 9 rows": profile_ops(calls[a]["ar 9 rows"][0]),
+                     **({"step, by module": profile_ops(modules(calls[a][first][0])),
+                         "verify 9, by module": profile_ops(modules(calls[a]["ar 9 rows"][0]))}
+                        if models[a].attn == "exact" else {}),
                      **({f"fused k={k0} groups={g0}": profile_ops(calls[a][f"fused k={k0} groups={g0}"][0])} if fused
                         else {})} for a in calls}
     print(f"model={args.model} dtype={args.dtype} cache={args.cache} rounds={args.rounds} threads={torch.get_num_threads()}")

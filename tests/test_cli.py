@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import lossless
+from lossless.decoding.exact import cpu_multiplies_natively
 from conftest import save_tiny_model_dir, tiny_orthrus
 from lossless.cli import main
 
@@ -219,8 +220,13 @@ def test_generate_json_prints_a_parseable_last_line_that_matches_the_library(dir
         assert result["prompt_tokens"] == 4
     assert out["orthrus"]["token_ids"] == out["ar"]["token_ids"]
     assert out["orthrus"]["text"] == out["ar"]["text"]
+    # the defaults: the fastest lossless configuration, and the output says what ran
+    native_bf16 = cpu_multiplies_natively(torch.bfloat16)
+    assert out["orthrus"]["config"] == {"dtype": "bf16" if native_bf16 else "fp32", "attn": "exact", "exact": True,
+                                        "mode": "orthrus", "cycle": "two-pass", "k": 8, "tree": 0, "lookup": 16}
+    assert out["ar"]["config"]["mode"] == "ar" and out["ar"]["config"]["lookup"] == 0
 
-    model = lossless.load_model(dirs["model"], "fp32")
+    model = lossless.load_model(dirs["model"])
     lib = model.generate(PROMPT, mode="ar", max_new_tokens=12)
     assert lib.prompt_ids == [1, 5, 9, 3]
     assert out["ar"]["token_ids"] == lib.token_ids
@@ -235,7 +241,44 @@ def test_generate_streams_the_same_text_without_json(dirs, capsys):
     assert rc == 0
     assert captured.out == expected["text"]
     summary = captured.err.strip().splitlines()[-1]
-    assert summary.startswith("[orthrus fp32 |") and f"{len(expected['token_ids'])} tokens" in summary
+    assert summary.startswith(f"[orthrus k=8 chain + lookup 16, {expected['config']['dtype']} exact |")
+    assert f"{len(expected['token_ids'])} tokens" in summary
+
+
+@pytest.mark.parametrize("args, want", [
+    (["--attn", "sdpa", "--dtype", "fp32"], {"dtype": "fp32", "attn": "sdpa", "exact": False, "tree": 0, "lookup": 16}),
+    (["--temperature", "0.8"], {"attn": "exact", "tree": 0, "lookup": 0}),  # sampling: no tree, no lookup
+    (["--tree", "--lookup", "0"], {"tree": 8, "lookup": 0}),
+    (["--tree", "0", "--lookup", "4"], {"tree": 0, "lookup": 4}),
+    (["--cycle", "fused"], {"cycle": "fused", "k": 3, "tree": 0, "lookup": 16}),
+])
+def test_generate_says_which_configuration_ran(dirs, capsys, args, want):
+    config = _generate_json(capsys, "--model", dirs["model"], "--max-new-tokens", "6", *args, PROMPT)["config"]
+    assert {key: config[key] for key in want} == want
+
+
+def test_auto_picks_exact_kernels_and_bf16_only_where_the_cpu_multiplies_bf16_natively(monkeypatch):
+    from lossless.decoding import kernels, models
+
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
+    assert models.resolve_auto("auto", "auto", "cpu") == ("bf16", "exact", None)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert models.resolve_auto("auto", "auto", "cpu") == ("fp32", "exact", None)
+    assert models.resolve_auto("fp16", "eager", "cpu") == ("fp16", "eager", None)  # explicit choices stand
+    dtype, attn, note = models.resolve_auto("auto", "auto", "cuda")
+    assert (dtype, attn) == ("fp32", "sdpa") and "CPU only" in note and "\n" not in note
+
+
+def test_auto_cycle_speculates_only_where_it_stays_lossless_and_pays():
+    from lossless.decoding.loop import auto_cycle
+    from lossless.names import DEFAULT_LOOKUP, DEFAULT_TREE
+
+    assert auto_cycle("orthrus", "two-pass", True, True, None, None) == (DEFAULT_TREE, DEFAULT_LOOKUP)
+    assert auto_cycle("orthrus", "two-pass", True, False, None, None) == (0, DEFAULT_LOOKUP)  # untrained head
+    assert auto_cycle("orthrus", "fused", True, True, None, None) == (0, DEFAULT_LOOKUP)
+    assert auto_cycle("orthrus", "two-pass", False, True, None, None) == (0, 0)  # sampling
+    assert auto_cycle("ar", "two-pass", True, True, None, None) == (0, 0)
+    assert auto_cycle("orthrus", "two-pass", True, True, 12, 0) == (12, 0)
 
 
 def test_generate_with_the_fused_cycle_equals_ar(dirs, capsys):

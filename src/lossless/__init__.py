@@ -1,9 +1,9 @@
 """lossless: Orthrus-style dual-view speculative decoding that is honest about exactness.
 
     import lossless
-    model = lossless.load_model("smollm2-135m", dtype="bf16")
-    out = model.generate("Write a haiku about rain.", mode="orthrus", max_new_tokens=128)
-    out.text, out.token_ids, out.stats
+    model = lossless.load_model("smollm2-135m")   # exact kernels; bf16 where the CPU multiplies it natively
+    out = model.generate("Write a haiku about rain.", max_new_tokens=128)   # tree + lookup, equal to AR
+    out.text, out.token_ids, out.stats, out.config
 
 Nothing heavy runs at import; models load on `load_model`.
 """

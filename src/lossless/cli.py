@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .errors import LosslessError
-from .names import ATTN_KERNELS, CYCLES, DEFAULT_LOOKUP, DEFAULT_TREE, DTYPE_NAMES, MODES, check_cycle, check_tree
+from .names import ATTN_KERNELS, AUTO, CYCLES, DEFAULT_LOOKUP, DEFAULT_TREE, DTYPE_NAMES, MODES, check_cycle, check_tree
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,9 +53,10 @@ SEED_MAX = 2**63 - 1  # what torch's generators take
 
 
 def _add_model_args(p: argparse.ArgumentParser, dtype: str = "fp32", *, head: bool = True, attn: bool = True,
-                    dtype_list: bool = False, attn_list: bool = False) -> None:
+                    dtype_list: bool = False, attn_list: bool = False, auto: bool = False) -> None:
     """--model, --head, --dtype (or --dtypes), --device, --attn: the options every model-loading command
-    shares. `dtype_list`/`attn_list`: comma-separated lists (commands that run several configurations)."""
+    shares. `dtype_list`/`attn_list`: comma-separated lists (commands that run several configurations).
+    `auto`: --dtype and --attn default to "auto", the fastest lossless configuration of the device."""
     p.add_argument("--model", default="smollm2-135m",
                    help="smollm2-135m (embedded), a local Hugging Face model directory, or a hub id")
     if head:
@@ -64,13 +65,17 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str = "fp32", *, head: bo
     if dtype_list:
         p.add_argument("--dtypes", default=dtype, help=f"comma-separated compute precisions: {', '.join(DTYPE_NAMES)}")
     else:
-        p.add_argument("--dtype", default=dtype, help=f"compute precision: {' | '.join(DTYPE_NAMES)}")
+        p.add_argument("--dtype", default=AUTO if auto else dtype,
+                       help=f"compute precision: {' | '.join(DTYPE_NAMES)}" + (
+                           f" | {AUTO} (default: bf16 where the CPU has native bf16 dot products, else fp32)" if auto
+                           else ""))
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (exact mode runs on the CPU only)")
     if attn:
         kinds = " | ".join(ATTN_KERNELS)
-        p.add_argument("--attn", default="sdpa",
+        p.add_argument("--attn", default=AUTO if auto else "sdpa",
                        help=(f"comma-separated attention kernels: {kinds}" if attn_list else f"attention kernel: {kinds}")
-                       + " (exact: batch-invariant kernels, Orthrus equals AR bit for bit)")
+                       + " (exact: batch-invariant kernels, Orthrus equals AR bit for bit)"
+                       + (f"; {AUTO} (default): exact on the CPU, sdpa on CUDA" if auto else ""))
 
 
 def _add_cycle_args(p: argparse.ArgumentParser) -> None:
@@ -101,8 +106,8 @@ def cmd_generate(args) -> int:
         raise LosslessError(f"--k must be >= 1, got {args.k}")
     _check_cycle_args(args)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    if args.mode == "orthrus":
-        check_tree(args.tree, args.cycle, sampling.greedy, args.lookup)
+    if args.mode == "orthrus":  # explicit choices only: the defaults adapt to the request
+        check_tree(args.tree or 0, args.cycle, sampling.greedy, args.lookup or 0)
     model = load_model(args.model, args.dtype, args.device, args.attn, head=args.head)
     stream = (lambda s: (sys.stdout.write(s), sys.stdout.flush())) if not args.json else None
     out = model.generate(args.prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, k=args.k,
@@ -113,11 +118,22 @@ def cmd_generate(args) -> int:
         print(json.dumps(out.to_dict(), ensure_ascii=False))
     else:
         s = out.stats
-        label = args.mode if args.mode == "ar" or args.cycle == "two-pass" else f"{args.mode} {args.cycle}"
-        print(f"\n[{label} {model.dtype_name} | {s['new_tokens']} tokens, {s['steps']} steps, "
+        print(f"\n[{_config_label(out.config)} | {s['new_tokens']} tokens, {s['steps']} steps, "
               f"{s['forwards']} forwards, {s['tokens_per_step']:.2f} tokens/step, "
               f"{s['tokens_per_second']:.1f} tokens/s, finish={out.finish_reason}]", file=sys.stderr)
     return 0
+
+
+def _config_label(config: dict) -> str:
+    """What ran, in a few words: "orthrus tree 8 + lookup 16, bf16 exact"."""
+    what = config["mode"]
+    if what == "orthrus":
+        parts = [f"tree {config['tree']}" if config["tree"] else (f"k={config['k']} chain" if config["cycle"] == "two-pass"
+                                                                   else f"fused k={config['k']}")]
+        if config["lookup"]:
+            parts.append(f"lookup {config['lookup']}")
+        what += " " + " + ".join(parts)
+    return f"{what}, {config['dtype']} {config['attn']}"
 
 
 def _distill_inputs(args, allow_empty: bool = False) -> tuple[str, list[dict]]:
@@ -414,19 +430,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="decode one prompt with ar or orthrus")
-    _add_model_args(g)
+    _add_model_args(g, auto=True)
     g.add_argument("--mode", default="orthrus", choices=MODES, help="orthrus (draft + verify) or ar (one token per forward)")
     g.add_argument("--max-new-tokens", type=_number(int, "--max-new-tokens", at_least=1), default=128,
                    help="stop after this many generated tokens")
     g.add_argument("--k", type=_number(int, "--k", at_least=1), default=None, help="block size (default: the head's k; --cycle fused: at most 3)")
     _add_cycle_args(g)
-    g.add_argument("--tree", type=_number(int, "--tree", at_least=0, note=" (0 = none)"), nargs="?", const=DEFAULT_TREE, default=0, metavar="NODES",
+    g.add_argument("--tree", type=_number(int, "--tree", at_least=0, note=" (0 = none)"), nargs="?", const=DEFAULT_TREE, default=None, metavar="NODES",
                    help=f"two-pass, greedy: verify a tree of NODES draft candidates (the top drafts and their runners-up; "
-                        f"{DEFAULT_TREE} without a number) instead of one chain")
-    g.add_argument("--lookup", type=_number(int, "--lookup", at_least=0, note=" (0 = none)"), nargs="?", const=DEFAULT_LOOKUP, default=0, metavar="TOKENS",
+                        f"{DEFAULT_TREE} without a number) instead of one chain; 0 = the chain (default: {DEFAULT_TREE} "
+                        f"when greedy, two-pass and the head is trained, else 0)")
+    g.add_argument("--lookup", type=_number(int, "--lookup", at_least=0, note=" (0 = none)"), nargs="?", const=DEFAULT_LOOKUP, default=None, metavar="TOKENS",
                    help=f"greedy: prompt lookup beside the drafts: copy up to TOKENS tokens that followed the "
                         f"context's last tokens where they occurred before ({DEFAULT_LOOKUP} without a number) and verify "
-                        f"them too; a match of 2+ tokens is verified alone, without a draft pass")
+                        f"them too; a match of 2+ tokens is verified alone, without a draft pass; 0 = none (default: "
+                        f"{DEFAULT_LOOKUP} when greedy, else 0)")
     g.add_argument("--temperature", type=_number(float, "--temperature", at_least=0, note=" (0 = greedy)"),
                    default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=_number(int, "--top-k", at_least=0, note=" (0 = no top-k filter)"), default=0,

@@ -12,6 +12,7 @@ from .errors import LosslessError
 MODES = ("ar", "orthrus")
 CYCLES = ("two-pass", "fused")  # how orthrus spends forwards: draft then verify, or both in one forward
 EXACT = "exact"
+AUTO = "auto"  # dtype/attn: the fastest lossless configuration of the device (decoding/models.py: resolve_auto)
 ATTN_KERNELS = ("sdpa", "eager", EXACT)
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
 

@@ -6,6 +6,7 @@ refused in one line."""
 
 import dataclasses
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -40,10 +41,12 @@ def adversarial(shape, dtype, g) -> torch.Tensor:
 def every_kernel(dtype, make, g):
     """(name, call) for one input of every kernel, drawn by `make(shape)`."""
     x, w, bias, norm = make((9, 301)), make((70, 301)), make((70,)), make((301,))
+    x17 = make((17, 301))  # blocks of 6 + 6 + 5 rows (dot products), 5 + 4 + 4 + 4 (widened)
     packed = kernels.pack_weight(w)
     q, k, v = make((9, 6, 40)), make((2, 70, 40)), make((2, 70, 40))
     visible = torch.rand(9, 70, generator=g) < 0.7
     return [("linear", lambda: kernels.linear(x, packed, 70, bias)),
+            ("linear 17 rows", lambda: kernels.linear(x17, packed, 70, None)),
             ("attention", lambda: kernels.attention(q, k, v, visible, 0.2)),
             ("rms_norm", lambda: kernels.rms_norm(x, norm, 1e-5)),
             ("silu", lambda: kernels.silu(x * 8))]
@@ -61,8 +64,9 @@ def test_every_variant_and_thread_count_gives_the_same_bits(dtype, data):
             for isa in VARIANTS:
                 for threads in (1, 2, 3):
                     torch.set_num_threads(threads)
-                    with kernels.use_isa(isa):
-                        assert torch.equal(bits(call()), want), (name, isa, threads)
+                    for widened in (False, True):  # bf16 products by dot-product instruction or widened fmas
+                        with kernels.use_isa(isa), kernels.bf16_path(widened):
+                            assert torch.equal(bits(call()), want), (name, isa, threads, widened)
     finally:
         torch.set_num_threads(before)
 
@@ -252,6 +256,38 @@ def test_exact_fp32_logits_match_stock_fp32_logits(family, data):
     got = torch.cat([first[None], exact.verify(cache, ids[split:])])
     scale = float(want.abs().max())
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * scale), float((got - want).abs().max() / scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@settings(max_examples=6, **SLOW)
+@given(data=st.data())
+def test_fused_decoder_layers_give_the_bits_of_the_module_path(family, dtype, data):
+    """Exact mode runs each Llama/Qwen3 decoder layer as two kernel calls (rotary, residual adds and gate * up
+    inside them); module by module, Hugging Face's layer code calling each kernel, gives the same logits and
+    the same cache bit for bit: a prefill, a verify block and a tree."""
+    from lossless.decoding.exact import layer_modules
+
+    model = OrthrusLM(drawn_backbone(data, family).to(dtype), k=4)
+    model.set_attn("exact")
+    assert f"decoder layer x{model.config.num_hidden_layers} (two calls per AR forward)" in model.exact_ops
+    vocab = model.config.vocab_size
+    ids = data.draw(st.lists(st.integers(0, vocab - 1), min_size=3, max_size=40), label="ids")
+    split = data.draw(st.integers(1, len(ids) - 1), label="prefill")
+    tree = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=8), label="tree ids")
+    parents = [-1] + [data.draw(st.integers(0, i - 1), label="parent") for i in range(1, len(tree))]
+
+    def run():
+        cache, first = model.prefill(ids[:split])
+        out = [first, model.verify(cache, ids[split:]), model.verify_tree(cache, tree, parents)]
+        return out + [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+    with mock.patch.object(kernels, "layer_in", wraps=kernels.layer_in) as layer_in:
+        fused = run()
+        with layer_modules():
+            modules = run()
+    assert layer_in.call_count == 3 * model.config.num_hidden_layers  # fused: every layer of every forward
+    for i, (a, b) in enumerate(zip(fused, modules)):
+        assert torch.equal(bits(a), bits(b)), i
 
 
 # -------------------------------------------------------------------------------------------- borders

@@ -123,11 +123,15 @@ class PackedLinearMixin:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _stock(x, self.weight, self.bias):
             return F.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.packed(), self.out_features, self.bias)
+
+    def packed(self) -> torch.Tensor:
+        """The weight in `kernels.linear`'s layout, packed again if the weight tensor changed."""
         w = self.weight
         stamp = (w.data_ptr(), w._version, w.dtype)
         if getattr(self, "_lossless_stamp", None) != stamp:
             self._lossless_packed, self._lossless_stamp = kernels.pack_weight(w), stamp
-        return kernels.linear(x, self._lossless_packed, self.out_features, self.bias)
+        return self._lossless_packed
 
 
 class NormMixin:
@@ -167,6 +171,105 @@ class RotaryTableMixin:
             tables[key] = (cos.to(device=x.device, dtype=x.dtype), sin.to(device=x.device, dtype=x.dtype))
         cos, sin = tables[key]
         return cos[position_ids], sin[position_ids]
+
+
+_NONE = torch.empty(0)  # "no bias" / "no norm" for the layer kernels
+
+
+class _Visible:
+    """The visibility [q, n] of one forward's rows, made once for all its layers: every layer gets the same mask
+    object (kept here, so its id cannot be reused while the entry stands) and the same shapes."""
+
+    key: tuple | None = None
+    mask: torch.Tensor | None = None
+    visible: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, mask, q: int, n: int, device) -> torch.Tensor:
+        key = (id(mask), q, n, device)
+        if cls.key != key or cls.mask is not mask:
+            cls.visible, cls.key, cls.mask = _visibility(mask, q, n, device), key, mask
+        return cls.visible
+
+
+_MODULES: ContextVar[bool] = ContextVar("lossless_layer_modules", default=False)
+
+
+@contextmanager
+def layer_modules():
+    """Within this block exact-mode decoder layers run module by module (Hugging Face's layer code calling each
+    kernel) instead of as two fused calls: the same bits (tested), for tests and per-op profiles."""
+    token = _MODULES.set(True)
+    try:
+        yield
+    finally:
+        _MODULES.reset(token)
+
+
+class FusedLayerMixin:
+    """A Llama/Qwen3 decoder layer whose AR forwards in exact mode run as two kernel calls around the cache update
+    (`layer_in`: norm, q/k/v, q/k norms, rotary; `layer_out`: attention, o, residual, norm, MLP, residual), the
+    same ops in the same order as the modules would run them, so the same bits with far less per-op overhead.
+    Anything else (the draft view, a batch, no cache, autograd, stock kernels) runs the Hugging Face layer.
+    The kernels' arguments are kept between forwards and made again when any weight of the layer changes."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        if (kwargs.get("orthrus_draft") is not None or cache is None or position_embeddings is None
+                or hidden_states.shape[0] != 1 or "past_key_values" in kwargs or _MODULES.get()
+                or _stock(hidden_states, self.input_layernorm.weight)):
+            return super().forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                   cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        plan = self.__dict__.get("_lossless_plan")
+        if plan is None or any(d[name] is not t or t._version != v for d, name, t, v in plan[0]):
+            plan = self.__dict__["_lossless_plan"] = self._lossless_make_plan()
+        _, rows, layer_idx, scaling, args_in, args_out = plan
+        if rows is not None:
+            rows.start = None  # an AR forward: no draft rows for a draft adapter
+        x = hidden_states[0].contiguous()
+        cos, sin = position_embeddings
+        q, key, value = kernels.layer_in(x, cos[0].contiguous(), sin[0].contiguous(), *args_in)
+        keys, values = cache.update(key, value, layer_idx)
+        visible = _Visible.of(attention_mask, x.shape[0], keys.shape[2], x.device)
+        return kernels.layer_out(x, q, keys[0], values[0], visible, scaling, *args_out).unsqueeze(0)
+
+    def _lossless_make_plan(self) -> tuple:
+        """(the weights it was made from with their versions, the draft adapter's row marker, layer index,
+        attention scaling, layer_in's arguments after cos/sin, layer_out's after the visibility)."""
+        attn, mlp = self.self_attn, self.mlp
+        ins, outs = (attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        first, second = self.input_layernorm, self.post_attention_layernorm
+        modules = [*ins, *outs, first, second, *(n for n in (q_norm, k_norm) if n is not None)]
+        stamps = [(m._parameters, name, t, t._version) for m in modules for name in ("weight", "bias")
+                  if (t := m._parameters.get(name)) is not None]
+        bias = lambda p: _NONE if p.bias is None else p.bias  # noqa: E731
+        args_in = (first.weight, first.variance_epsilon, [p.packed() for p in ins], [bias(p) for p in ins],
+                   [p.out_features for p in ins], _NONE if q_norm is None else q_norm.weight,
+                   _NONE if k_norm is None else k_norm.weight, 0.0 if q_norm is None else q_norm.variance_epsilon,
+                   attn.head_dim)
+        args_out = ([p.packed() for p in outs], [bias(p) for p in outs], [p.out_features for p in outs],
+                    second.weight, second.variance_epsilon)
+        return (stamps, getattr(attn, "_orthrus_rows", None), attn.layer_idx, float(attn.scaling), args_in, args_out)
+
+
+def _fusable(layer: torch.nn.Module) -> bool:
+    """Whether `layer` is a decoder layer `FusedLayerMixin` computes exactly: a Llama or Qwen3 layer whose parts
+    are all exact mode's (packed projections, the RMSNorm kernel, SiLU), full attention, no sliding window."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    names = {type(layer).__name__.removeprefix("FusedLayer")}
+    if not names & {"LlamaDecoderLayer", "Qwen3DecoderLayer"} or attn is None or mlp is None:
+        return False
+    parts = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + \
+            [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
+    qk = [getattr(attn, n) for n in ("q_norm", "k_norm") if getattr(attn, n, None) is not None]
+    if qk and (len(qk) != 2 or qk[0].variance_epsilon != qk[1].variance_epsilon):
+        return False  # the layer kernel takes one epsilon for both
+    norms += qk
+    return (all(isinstance(p, PackedLinearMixin) for p in parts) and all(isinstance(n, NormMixin) for n in norms)
+            and isinstance(getattr(mlp, "act_fn", None), SiluMixin) and getattr(attn, "sliding_window", None) is None
+            and isinstance(getattr(attn, "head_dim", None), int) and isinstance(getattr(attn, "layer_idx", None), int))
 
 
 def _rotary_frequencies(rotary: torch.nn.Module, config) -> tuple[object, float]:
@@ -284,7 +387,13 @@ def make_batch_invariant(backbone: torch.nn.Module) -> list[str]:
             _swap_class(module, mixin)
         elif id(module) not in structure and not isinstance(module, _COVERED) and type(module).__name__ != "DraftAdapter":
             raise LosslessError(f"exact mode has no kernel for {name} ({type(module).__name__}); use --attn sdpa")
+    fused = 0
+    for layer in backbone.model.layers:
+        if _fusable(layer):
+            _swap_class(layer, FusedLayerMixin)
+            fused += 1
     return ["attention", *(f"linear {i}->{o} x{n} (fixed-order kernel)" for (i, o), n in sorted(linears.items())),
+            *([f"decoder layer x{fused} (two calls per AR forward)"] if fused else []),
             *(label.format(n) for label, n in sorted(counts.items())), f"kernels {kernels.isa()}"]
 
 

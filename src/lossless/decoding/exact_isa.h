@@ -67,6 +67,11 @@ struct V16 {
   // products, then + the even ones, each an fma (a bf16 x bf16 product is exact in fp32): what the AVX-512
   // BF16 dot-product instruction computes lane by lane under the denormal rule (inputs read as zero when
   // subnormal, results flushed), so both ways give the same bits.
+#if defined(LOSSLESS_DPBF16)
+  V16 dot_pairs(uint32_t xpair, __m512i wpairs) const {  // the same, the weights already in a register
+    return {_mm512_dpbf16_ps(v, (__m512bh)_mm512_set1_epi32(static_cast<int>(xpair)), (__m512bh)wpairs)};
+  }
+#endif
   V16 dot_pairs(uint32_t xpair, const uint32_t* wpairs) const {
 #if defined(LOSSLESS_DPBF16)
     return {_mm512_dpbf16_ps(v, (__m512bh)_mm512_set1_epi32(static_cast<int>(xpair)),
@@ -130,23 +135,106 @@ inline float exp_fixed(float x) {
 // in bf16: for each pair i: acc = fma(x[2i+1], w[2i+1], acc); acc = fma(x[2i], w[2i], acc)
 // never split, never reassociated, whatever the blocking below does; the blocks of RB rows x JB panels only
 // decide which chains advance together (so weights are read once per RB rows).
-#if defined(LOSSLESS_V16_AVX512)
-constexpr int RB = 4, JB = 4;  // 16 accumulators + 4 weight vectors + 1 broadcast of the 32 registers
+//
+// A call's rows go through the panels in blocks of at most RB rows, as even as possible (9 rows as 5 + 4, not
+// 4 + 4 + 1: a block of one row is as slow as streaming the weights); every block after the first reads the
+// panels from cache. With the dot-product instruction each weight vector is loaded once per input step for all
+// rows of the block.
+#if defined(LOSSLESS_DPBF16)
+constexpr int RB = 6, JB = 4;  // 24 accumulators + 4 weight vectors + 1 broadcast of the 32 registers
+#elif defined(LOSSLESS_V16_AVX512)
+constexpr int RB = 4, JB = 4;  // 16 accumulators + 4 weight vectors + 1 broadcast
 #else
 constexpr int RB = 4, JB = 2;  // AVX2: 16 registers, two per accumulator
 #endif
 
 template <typename T> constexpr bool PAIRED = std::is_same_v<T, at::BFloat16>;
 
-// x rows as the kernel reads them: fp32 [m, k], or bf16 pairs as uint32 [m, ceil(k/2)]
+// bf16 on AVX-512: the pair products as two fp32 fmas from weights widened once per input step (exact: a bf16
+// is an fp32 with a shorter mantissa), the same bits as the dot-product instruction. Where that instruction has
+// a quarter of the fma's throughput (measured so on Intel Xeons with AMX; on AMD Zen 4 it has the same), the
+// widened path computes a block of rows twice as fast. Without the instruction it is the only path.
+#if defined(LOSSLESS_V16_AVX512)
+#if defined(LOSSLESS_DPBF16)
+inline bool& widen_bf16() { static bool on = false; return on; }
+#else
+inline bool& widen_bf16() { static bool on = true; return on; }
+#endif
+constexpr int RW = 5, JW = 4;  // widened blocks: 20 accumulators + 8 widened weight vectors + broadcasts
+#else
+inline bool& widen_bf16() { static bool on = false; return on; }
+constexpr int RW = 4, JW = 2;
+#endif
+
+#if defined(LOSSLESS_DPBF16)
+// Seconds for `rounds` x 24 independent chains of the dot-product instruction (dot) or of fp32 fmas (!dot): the
+// throughput the two paths are built from, on this core.
+inline double chain_seconds(bool dot, int64_t rounds) {
+  __m512 acc[24];
+  for (int a = 0; a < 24; ++a) acc[a] = _mm512_set1_ps(1e-3f * static_cast<float>(a));
+  __m512 w = _mm512_set1_ps(0.5f);
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t n = 0; n < rounds; ++n) {
+#pragma GCC unroll 24
+    for (int a = 0; a < 24; ++a)
+      acc[a] = dot ? _mm512_dpbf16_ps(acc[a], (__m512bh)_mm512_castps_si512(w), (__m512bh)_mm512_castps_si512(w))
+                   : _mm512_fmadd_ps(acc[a], w, w);
+    __asm__ __volatile__("" : "+v"(w));
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  float sink = 0.0f;
+  for (int a = 0; a < 24; ++a) sink += _mm512_cvtss_f32(acc[a]);
+  __asm__ __volatile__("" : : "x"(sink));
+  return seconds;
+}
+#endif
+
+// Measure once which bf16 path is faster on this core and take it (the variant with the dot-product instruction;
+// elsewhere the one path there is). A widened pair costs two fmas where the instruction costs one: it pays where
+// the fma's throughput is at least 3x the instruction's. Either gives the same bits. Returns the path taken.
+bool choose_bf16_path() {
+#if defined(LOSSLESS_DPBF16)
+  double dot = 1e9, fma = 1e9;
+  for (int t = 0; t < 3; ++t) {  // the best of three (about a millisecond each)
+    dot = std::min(dot, chain_seconds(true, 40000));
+    fma = std::min(fma, chain_seconds(false, 40000));
+  }
+  widen_bf16() = dot >= 3.0 * fma;
+#endif
+  return widen_bf16();
+}
+
+bool bf16_widened() { return widen_bf16(); }
+
+// Choose the widened path where there is a choice (the variant with the dot-product instruction); returns the
+// path in force. Either gives the same bits: this is a matter of speed only.
+bool set_widen_bf16(bool on) {
+#if defined(LOSSLESS_DPBF16)
+  widen_bf16() = on;
+#else
+  (void)on;
+#endif
+  return widen_bf16();
+}
+
+// x rows as the kernel reads them: fp32 [m, k], bf16 pairs as uint32 [m, ceil(k/2)], or (widened) each pair as
+// fp32 (odd, even) [m, ceil(k/2), 2]
 template <typename T>
 struct Rows {
   std::vector<float> f;
   std::vector<uint32_t> pairs;
   int64_t steps;  // chain steps per output: k, or ceil(k / 2) pairs
+  bool widened = false;
   Rows(const T* x, int64_t m, int64_t k) {
     if constexpr (PAIRED<T>) {
       steps = (k + 1) / 2;
+      widened = widen_bf16();
+      if (widened) {
+        f.assign(static_cast<size_t>(m * steps * 2), 0.0f);
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t i = 0; i < k; ++i) f[(r * steps + i / 2) * 2 + (i % 2 ? 0 : 1)] = to_float(x[r * k + i]);
+        return;
+      }
       pairs.assign(static_cast<size_t>(m * steps), 0u);
       for (int64_t r = 0; r < m; ++r)
         for (int64_t i = 0; i < k; ++i)
@@ -162,28 +250,56 @@ struct Rows {
 template <int R, int J, typename T>
 inline void panel_block(const Rows<T>& x, int64_t r0, const T* panels, int64_t n, int64_t p0, T* out,
                         const T* bias) {
+  // every loop over r or j is unrolled, so the accumulators stay in registers
   const int64_t steps = x.steps;
   V16 acc[R][J];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
     for (int j = 0; j < J; ++j) acc[r][j] = V16::zero();
   for (int64_t i = 0; i < steps; ++i) {
     if constexpr (PAIRED<T>) {
       const uint32_t* w = reinterpret_cast<const uint32_t*>(panels) + (p0 * steps + i) * LANES;
+#if defined(LOSSLESS_DPBF16)
+      __m512i wv[J];
+#pragma GCC unroll 4
+      for (int j = 0; j < J; ++j) wv[j] = _mm512_loadu_si512(w + j * steps * LANES);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const uint32_t xr = x.pairs[(r0 + r) * steps + i];
+#pragma GCC unroll 4
+        for (int j = 0; j < J; ++j) acc[r][j] = acc[r][j].dot_pairs(xr, wv[j]);
+      }
+#else
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const uint32_t xr = x.pairs[(r0 + r) * steps + i];
+#pragma GCC unroll 4
         for (int j = 0; j < J; ++j) acc[r][j] = acc[r][j].dot_pairs(xr, w + j * steps * LANES);
       }
+#endif
     } else {
       V16 w[J];
+#pragma GCC unroll 4
       for (int j = 0; j < J; ++j) w[j] = V16::load(panels + ((p0 + j) * steps + i) * LANES);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const V16 xb = V16::splat(x.f[(r0 + r) * steps + i]);
+#pragma GCC unroll 4
         for (int j = 0; j < J; ++j) acc[r][j] = acc[r][j].fma(xb, w[j]);
       }
     }
   }
+  store_block<R, J>(acc, r0, n, p0, out, bias);
+}
+
+// store R x J accumulators (+ bias) to the outputs that exist
+template <int R, int J, typename T>
+inline void store_block(V16 (&acc)[R][J], int64_t r0, int64_t n, int64_t p0, T* out, const T* bias) {
   float buf[LANES];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
     for (int j = 0; j < J; ++j) {
       acc[r][j].store(buf);
       for (int64_t l = 0; l < LANES; ++l) {
@@ -193,42 +309,121 @@ inline void panel_block(const Rows<T>& x, int64_t r0, const T* panels, int64_t n
     }
 }
 
-// rows r.. (fewer than RB) through panels p..p+J-1, dispatched to a block of exactly that many rows
+#if defined(LOSSLESS_V16_AVX512)
+// bf16 widened: per input pair, each of the J weight vectors widened once (even: the low halves shifted up; odd:
+// the high halves masked), then for every row acc = fma(x_odd, w_odd, acc); acc = fma(x_even, w_even, acc)
+template <int R, int J>
+inline void panel_block_widened(const Rows<at::BFloat16>& x, int64_t r0, const at::BFloat16* panels, int64_t n,
+                                int64_t p0, at::BFloat16* out, const at::BFloat16* bias) {
+  const int64_t steps = x.steps;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  V16 acc[R][J];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) acc[r][j] = V16::zero();
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(panels) + p0 * steps * LANES;
+  for (int64_t i = 0; i < steps; ++i) {
+    V16 even[J], odd[J];
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) {
+      const __m512i v = _mm512_loadu_si512(w + (j * steps + i) * LANES);
+      even[j] = {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))};
+      odd[j] = {_mm512_castsi512_ps(_mm512_and_si512(v, high))};
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float* xp = x.f.data() + ((r0 + r) * steps + i) * 2;
+      const V16 xo = V16::splat(xp[0]), xe = V16::splat(xp[1]);
+#pragma GCC unroll 4
+      for (int j = 0; j < J; ++j) acc[r][j] = acc[r][j].fma(xo, odd[j]).fma(xe, even[j]);
+    }
+  }
+  store_block<R, J>(acc, r0, n, p0, out, bias);
+}
+
+// panel_block_widened<rows, J> for rows in 1..R
+template <int R, int J>
+inline void widened_rows(int rows, const Rows<at::BFloat16>& x, int64_t r, const at::BFloat16* panels, int64_t n,
+                         int64_t p, at::BFloat16* out, const at::BFloat16* bias) {
+  if (rows == R) return panel_block_widened<R, J>(x, r, panels, n, p, out, bias);
+  if constexpr (R > 1) return widened_rows<R - 1, J>(rows, x, r, panels, n, p, out, bias);
+  TORCH_CHECK(false, "panel_rows: ", rows, " rows");
+}
+#endif
+
+// a block of `rows` (1..RB, widened 1..RW) rows from row r through panels p..p+J-1
 template <int J, typename T>
-inline void panel_tail(int rows, const Rows<T>& x, int64_t r, const T* panels, int64_t n, int64_t p, T* out,
+inline void panel_rows(int rows, const Rows<T>& x, int64_t r, const T* panels, int64_t n, int64_t p, T* out,
                        const T* bias) {
+#if defined(LOSSLESS_V16_AVX512)
+  if constexpr (PAIRED<T>) {
+    if (x.widened) {
+      widened_rows<RW, J>(rows, x, r, panels, n, p, out, bias);
+      return;
+    }
+  }
+#endif
   switch (rows) {
     case 1: panel_block<1, J>(x, r, panels, n, p, out, bias); break;
     case 2: panel_block<2, J>(x, r, panels, n, p, out, bias); break;
     case 3: panel_block<3, J>(x, r, panels, n, p, out, bias); break;
-    default: TORCH_CHECK(rows == 0, "panel_tail: rows");
+    case 4: panel_block<4, J>(x, r, panels, n, p, out, bias); break;
+#if defined(LOSSLESS_DPBF16)
+    case 5: if constexpr (PAIRED<T>) { panel_block<5, J>(x, r, panels, n, p, out, bias); break; } [[fallthrough]];
+    case 6: if constexpr (PAIRED<T>) { panel_block<6, J>(x, r, panels, n, p, out, bias); break; } [[fallthrough]];
+#endif
+    default: TORCH_CHECK(false, "panel_rows: ", rows, " rows");
   }
 }
+
+// the most rows one block takes: RB where the dot-product instruction runs (bf16), 4 elsewhere
+template <typename T> constexpr int block_rows() { return PAIRED<T> ? RB : (RB < 4 ? RB : 4); }
 
 template <int J, typename T>
 inline void panel_all_rows(const Rows<T>& x, int64_t m, const T* panels, int64_t n, int64_t p, T* out, const T* bias) {
   // every row block reads these J panels while they sit in L2: the weights leave memory once per call
+  const int64_t most = x.widened ? RW : block_rows<T>(), blocks = (m + most - 1) / most;
   int64_t r = 0;
-  for (; r + RB <= m; r += RB) panel_block<RB, J>(x, r, panels, n, p, out, bias);
-  panel_tail<J>(static_cast<int>(m - r), x, r, panels, n, p, out, bias);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t rows = (m - r) / (blocks - b);  // the rows left, split evenly over the blocks left
+    panel_rows<J>(static_cast<int>(rows), x, r, panels, n, p, out, bias);
+    r += rows;
+  }
 }
 
+// panels p0..p1-1 of one packed weight, for all rows
 template <typename T>
-void linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
-                 at::Tensor& out) {
-  const FlushDenormals flush;
-  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
-  const Rows<T> rows(x.data_ptr<T>(), m, k);
-  TORCH_CHECK(packed.numel() == panels * rows.steps * LANES * (PAIRED<T> ? 2 : 1),
-              "linear: the packed weight does not match x (pack it with kernels.pack_weight)");
-  const T* wp = packed.data_ptr<T>();
-  const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
-    const FlushDenormals flush_here;  // the rule holds in the thread that does the work
-    int64_t p = p0;
+inline void panel_range(const Rows<T>& rows, int64_t m, const T* wp, int64_t n, int64_t p0, int64_t p1, T* op,
+                        const T* bp) {
+  int64_t p = p0;
+  if (rows.widened)
+    for (; p + JW <= p1; p += JW) panel_all_rows<JW>(rows, m, wp, n, p, op, bp);
+  else
     for (; p + JB <= p1; p += JB) panel_all_rows<JB>(rows, m, wp, n, p, op, bp);
-    for (; p < p1; ++p) panel_all_rows<1>(rows, m, wp, n, p, op, bp);
+  for (; p < p1; ++p) panel_all_rows<1>(rows, m, wp, n, p, op, bp);
+}
+
+// x [m, k] through several packed weights (one call's q, k and v, or gate and up): one parallel region over all
+// their panels, each output the chain a call of its own computes.
+template <typename T>
+void linear_impl(const at::Tensor& x, const std::vector<at::Tensor>& packed, const std::vector<int64_t>& n,
+                 const std::vector<const T*>& bias, std::vector<at::Tensor>& out) {
+  const FlushDenormals flush;
+  const int64_t m = x.size(0), k = x.size(1);
+  const Rows<T> rows(x.data_ptr<T>(), m, k);
+  std::vector<int64_t> start(packed.size() + 1, 0);
+  for (size_t w = 0; w < packed.size(); ++w) {
+    TORCH_CHECK(packed[w].numel() == packed[w].size(0) * rows.steps * LANES * (PAIRED<T> ? 2 : 1),
+                "linear: the packed weight does not match x (pack it with kernels.pack_weight)");
+    start[w + 1] = start[w] + packed[w].size(0);
+  }
+  at::parallel_for(0, start.back(), 4, [&](int64_t g0, int64_t g1) {
+    const FlushDenormals flush_here;  // the rule holds in the thread that does the work
+    for (size_t w = 0; w < packed.size(); ++w) {
+      const int64_t p0 = std::max(g0, start[w]) - start[w], p1 = std::min(g1, start[w + 1]) - start[w];
+      if (p0 < p1) panel_range(rows, m, packed[w].data_ptr<T>(), n[w], p0, p1, out[w].data_ptr<T>(), bias[w]);
+    }
   });
 }
 
@@ -332,17 +527,27 @@ void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Te
       for (int64_t j = 0; j < n; ++j)
         if (mp[row * n + j]) keys[row].push_back(static_cast<int32_t>(j));
   });
-  std::vector<float> kt(static_cast<size_t>(kvh * tiles * d * LANES), 0.0f);  // keys [kv, tile, d, 16]
-  std::vector<float> vf(static_cast<size_t>(kvh * n * dp), 0.0f);             // values [kv, n, dp]
+  // keys [kv, tile, d, 16] and values [kv, n, dp] in fp32, in buffers kept by the calling thread between calls
+  // (fresh ones of a long context's size cost page faults on every call); the lanes past n and past d are zeros
+  static thread_local std::vector<float> kt_store, vf_store;
+  kt_store.resize(std::max(kt_store.size(), static_cast<size_t>(kvh * tiles * d * LANES)));
+  vf_store.resize(std::max(vf_store.size(), static_cast<size_t>(kvh * n * dp)));
+  float* kt = kt_store.data();
+  float* vf = vf_store.data();
   at::parallel_for(0, kvh * tiles, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t kv = b / tiles, tile = b % tiles;
-      for (int64_t l = 0; l < LANES && tile * LANES + l < n; ++l) {
+      for (int64_t l = 0; l < LANES; ++l) {
+        if (tile * LANES + l >= n) {
+          for (int64_t t = 0; t < d; ++t) kt[(b * d + t) * LANES + l] = 0.0f;
+          continue;
+        }
         const int64_t j = kv * n + tile * LANES + l;
         for (int64_t t = 0; t < d; ++t) {
           kt[(b * d + t) * LANES + l] = to_float(kp[j * d + t]);
           vf[j * dp + t] = to_float(vp[j * d + t]);
         }
+        for (int64_t t = d; t < dp; ++t) vf[j * dp + t] = 0.0f;
       }
     }
   });
@@ -362,8 +567,8 @@ void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Te
         continue;
       }
       for (int64_t e = 0; e < g_count * d; ++e) qf[e] = to_float(qp[(row * h + h0) * d + e]);
-      const float* ktk = kt.data() + kv * tiles * d * LANES;
-      const float* vk = vf.data() + kv * n * dp;
+      const float* ktk = kt + kv * tiles * d * LANES;
+      const float* vk = vf + kv * n * dp;
       switch (g_count) {
         case 1: attend_heads<1>(qf.data(), d, dp, ktk, vk, seen, scale, all, scores, acc, total); break;
         case 2: attend_heads<2>(qf.data(), d, dp, ktk, vk, seen, scale, all, scores, acc, total); break;
@@ -450,11 +655,24 @@ int64_t stream(const std::vector<at::Tensor>& tensors) {
   return static_cast<int64_t>(all);
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
-  check_linear(x, packed, n, bias);
-  at::Tensor out = at::empty({x.size(0), n}, x.options());
-  DISPATCH(x.scalar_type(), "linear", linear_impl<scalar>(x, packed, n, bias, out));
+std::vector<at::Tensor> linear_many(const at::Tensor& x, const std::vector<at::Tensor>& packed,
+                                    const std::vector<int64_t>& n, const std::vector<c10::optional<at::Tensor>>& bias) {
+  TORCH_CHECK(packed.size() == n.size() && packed.size() == bias.size(), "linear: one n and bias per weight");
+  std::vector<at::Tensor> out;
+  for (size_t w = 0; w < packed.size(); ++w) {
+    check_linear(x, packed[w], n[w], bias[w]);
+    out.push_back(at::empty({x.size(0), n[w]}, x.options()));
+  }
+  DISPATCH(x.scalar_type(), "linear", {
+    std::vector<const scalar*> b;
+    for (const auto& t : bias) b.push_back(t.has_value() ? t->data_ptr<scalar>() : nullptr);
+    linear_impl<scalar>(x, packed, n, b, out);
+  });
   return out;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
+  return linear_many(x, {packed}, {n}, {bias})[0];
 }
 
 at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -477,4 +695,88 @@ at::Tensor silu(const at::Tensor& x) {
   at::Tensor out = at::empty(x.sizes(), x.options());
   DISPATCH(x.scalar_type(), "silu", silu_impl<scalar>(x, out));
   return out;
+}
+
+// ---------------------------------------------------------------------------------------- one decoder layer
+// A Llama/Qwen3 decoder layer's AR view in two calls around the cache update, so a layer costs two calls from
+// Python instead of some forty. Every step is the op the Hugging Face layer runs in exact mode, in its order:
+// the kernels above for norms, projections, SiLU and attention, and ATen's own elementwise ops (the same
+// calls the Hugging Face code makes: rotary products, residual adds, gate * up), so the bits cannot differ from
+// the module path. An empty bias or norm weight means none. (Calls in parentheses: this file's kernels, not
+// ATen's namesakes found by argument-dependent lookup.)
+
+inline c10::optional<at::Tensor> maybe(const at::Tensor& t) {
+  return t.numel() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
+// x [m, heads, d] -> (x * cos) + (rotate_half(x) * sin), cos/sin [m, d] broadcast over the heads: what the
+// Hugging Face code computes with ATen's elementwise ops, each op's result rounded to T (ATen computes bf16 and
+// fp16 products and sums in fp32 and rounds once: the product of two is exact in fp32), the same rounding here;
+// outside the denormal rule, as ATen's ops run.
+template <typename T>
+void rotary_impl(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+  const int64_t m = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  const T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* xr = xp + (r * heads + h) * d;
+      T* o = op + (r * heads + h) * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const float rotated = i < half ? -to_float(xr[i + half]) : to_float(xr[i - half]);
+        const T a = from_float<T>(to_float(xr[i]) * to_float(cp[r * d + i]));
+        const T b = from_float<T>(rotated * to_float(sp[r * d + i]));
+        o[i] = from_float<T>(to_float(a) + to_float(b));
+      }
+    }
+}
+
+inline at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
+                  cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && x.size(2) % 2 == 0 &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == x.scalar_type() &&
+                  sin.scalar_type() == x.scalar_type(),
+              "rotary: x [m, heads, d], cos/sin [m, d] of x's dtype");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  DISPATCH(x.scalar_type(), "rotary", rotary_impl<scalar>(x, cos, sin, out));
+  return out;
+}
+
+// x [m, hidden] -> {query [m, heads, d], key [1, kv, m, d], value [1, kv, m, d]}: input norm, q/k/v projections,
+// the per-head q/k norms (Qwen3; empty weights: none), rotary at the rows' positions (cos/sin [m, d]).
+std::vector<at::Tensor> layer_in(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                 const at::Tensor& norm_w, double eps, const std::vector<at::Tensor>& packed,
+                                 const std::vector<at::Tensor>& bias, const std::vector<int64_t>& n,
+                                 const at::Tensor& q_norm_w, const at::Tensor& k_norm_w, double qk_eps,
+                                 int64_t head_dim) {
+  TORCH_CHECK(packed.size() == 3 && bias.size() == 3 && n.size() == 3, "layer_in: q, k and v projections");
+  const int64_t m = x.size(0);
+  const std::vector<at::Tensor> qkv = linear_many((rms_norm)(x, norm_w, eps), packed, n,
+                                                 {maybe(bias[0]), maybe(bias[1]), maybe(bias[2])});
+  at::Tensor q = qkv[0].view({m, -1, head_dim}), k = qkv[1].view({m, -1, head_dim}), v = qkv[2].view({m, -1, head_dim});
+  if (q_norm_w.numel()) q = (rms_norm)(q.reshape({-1, head_dim}), q_norm_w, qk_eps).view({m, -1, head_dim});
+  if (k_norm_w.numel()) k = (rms_norm)(k.reshape({-1, head_dim}), k_norm_w, qk_eps).view({m, -1, head_dim});
+  q = rotary(q, cos, sin);
+  k = rotary(k, cos, sin);
+  return {q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)};
+}
+
+// The rest of the layer: attention of query [m, heads, d] over keys/values [kv, n, d] (visible [m, n]), the
+// output projection, the residual add, the post-attention norm, the MLP (down(silu(gate(h)) * up(h))) and its
+// residual add. packed/bias/n: o, gate, up, down.
+at::Tensor layer_out(const at::Tensor& x, const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                     const at::Tensor& visible, double scaling, const std::vector<at::Tensor>& packed,
+                     const std::vector<at::Tensor>& bias, const std::vector<int64_t>& n, const at::Tensor& norm_w,
+                     double eps) {
+  TORCH_CHECK(packed.size() == 4 && bias.size() == 4 && n.size() == 4, "layer_out: o, gate, up and down projections");
+  const int64_t m = x.size(0);
+  const at::Tensor a = (attention)(q, keys.contiguous(), values.contiguous(), visible, scaling).view({m, -1});
+  const at::Tensor x1 = at::add(x, (linear)(a, packed[0], n[0], maybe(bias[0])));
+  const at::Tensor h = (rms_norm)(x1, norm_w, eps);
+  const std::vector<at::Tensor> gate_up = linear_many(h, {packed[1], packed[2]}, {n[1], n[2]},
+                                                     {maybe(bias[1]), maybe(bias[2])});
+  const at::Tensor mlp = (linear)(at::mul((silu)(gate_up[0]), gate_up[1]), packed[3], n[3], maybe(bias[3]));
+  return at::add(x1, mlp);
 }

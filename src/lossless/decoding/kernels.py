@@ -138,8 +138,32 @@ def build_dir(cflags: list[str] = CFLAGS) -> Path:
 
 @lru_cache(maxsize=1)
 def extension():
-    """The compiled extension, every variant in it (built once per machine and source, then loaded)."""
-    return build(CFLAGS)
+    """The compiled extension, every variant in it (built once per machine and source, then loaded). Each
+    variant that can compute bf16 products two ways (the dot-product instruction, or widened fp32 fmas: the same
+    bits) times both once here and takes the faster."""
+    ext = build(CFLAGS)
+    for name in runnable_isas():
+        getattr(ext, name).choose_bf16_path()
+    return ext
+
+
+def bf16_widened() -> bool:
+    """Whether the current variant computes bf16 products as widened fp32 fmas (else the dot-product
+    instruction, or plain fmas without AVX-512): speed only, the bits are the same."""
+    return bool(ops().bf16_widened())
+
+
+@contextmanager
+def bf16_path(widened: bool):
+    """Within this block the current variant computes bf16 products widened (True) or with the dot-product
+    instruction (False) where it has the choice (tests: both must give the same bits)."""
+    variant = ops()
+    before = variant.bf16_widened()
+    variant.set_widen_bf16(widened)
+    try:
+        yield
+    finally:
+        variant.set_widen_bf16(before)
 
 
 def ops():
@@ -209,6 +233,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of the Llama/Qwen kind over the last dim: weight * (x / sqrt(mean(x^2) + eps)) cast to x's dtype."""
     out = ops().rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), float(eps))
     return out.reshape(x.shape)
+
+
+def layer_in(*args) -> list[torch.Tensor]:
+    """A decoder layer up to the cache update (`exact.FusedLayerMixin` passes the arguments; see exact_isa.h)."""
+    return ops().layer_in(*args)
+
+
+def layer_out(*args) -> torch.Tensor:
+    """A decoder layer from attention on (`exact.FusedLayerMixin` passes the arguments; see exact_isa.h)."""
+    return ops().layer_out(*args)
 
 
 def stream(tensors: list[torch.Tensor]) -> int:

@@ -26,7 +26,7 @@ from typing import Callable, Protocol
 import torch
 
 from ..errors import LosslessError
-from ..names import check_cycle, check_mode, check_tree
+from ..names import DEFAULT_LOOKUP, DEFAULT_TREE, check_cycle, check_mode, check_tree
 from .sampling import SamplingConfig, argmax, sample
 
 
@@ -212,10 +212,11 @@ class GenerationOutput:
     stats: dict
     prompt_ids: list[int]
     finish_reason: str | None
+    config: dict = field(default_factory=dict)  # what ran: dtype, attn, exact, mode, cycle, k, tree, lookup
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats,
-                "finish_reason": self.finish_reason, "prompt_tokens": len(self.prompt_ids)}
+                "finish_reason": self.finish_reason, "prompt_tokens": len(self.prompt_ids), "config": self.config}
 
 
 class Drafter(Protocol):
@@ -260,6 +261,19 @@ def block_size(head_k: int, cfg: DecodeConfig) -> int:
     if cfg.k is not None:
         return int(cfg.k)
     return min(FUSED_K, head_k) if cfg.cycle == "fused" else head_k
+
+
+def auto_cycle(mode: str, cycle: str, greedy: bool, trained_head: bool, tree: int | None,
+               lookup: int | None) -> tuple[int, int]:
+    """(tree, lookup) with None meaning the fastest lossless default: greedy orthrus verifies a DEFAULT_TREE-node
+    tree (two-pass, with a trained head: an untrained one's runners-up are not worth verifying) and prompt lookup of
+    DEFAULT_LOOKUP tokens; sampling, AR and the fused cycle's tree get none. Explicit values pass through."""
+    speculative = mode == "orthrus" and greedy
+    if tree is None:
+        tree = DEFAULT_TREE if speculative and cycle == "two-pass" and trained_head else 0
+    if lookup is None:
+        lookup = DEFAULT_LOOKUP if speculative else 0
+    return int(tree), int(lookup)
 
 
 def validate(model: DecodingModel, prompt_ids: list[int], cfg: DecodeConfig, mode: str) -> int:

@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from . import exact
 from . import head as headfile
-from .loop import DecodeConfig, GenerationOutput, decode
+from .loop import DecodeConfig, GenerationOutput, auto_cycle, block_size, decode
 from ..dtypes import dtype_name
 from .dualview import (DraftSpec, additive_mask, backbone_parameters, block_visibility, diff_parameters,
                        diff_reference_parameters, draft_adapter_rank, draft_adapters_restored_on_error,
@@ -340,12 +340,15 @@ class OrthrusLM(nn.Module):
     # ------------------------------------------------------------------------------------------ generate
     def generate(self, prompt: str | list[int], mode: str = "orthrus", *, max_new_tokens: int = 128,
                  k: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 chat_template: bool = True, cycle: str = "two-pass", groups: int | None = None, tree: int = 0,
-                 lookup: int = 0, on_text=None, on_tokens=None) -> GenerationOutput:
+                 chat_template: bool = True, cycle: str = "two-pass", groups: int | None = None,
+                 tree: int | None = None, lookup: int | None = None, on_text=None,
+                 on_tokens=None) -> GenerationOutput:
         """Decode `prompt` (text, or token ids used as-is) with `mode` ("ar" | "orthrus"); orthrus runs the
         `cycle` "two-pass" (draft, then verify) or "fused" (one forward per cycle, `groups` draft groups);
         `tree` > 0 (two-pass, greedy) verifies a tree of that many draft candidates instead of one chain;
-        `lookup` > 0 (two-pass, greedy) adds prompt lookup: up to that many tokens copied from earlier context.
+        `lookup` > 0 (greedy) adds prompt lookup: up to that many tokens copied from earlier context. Left at
+        None they take the fastest lossless defaults (`loop.auto_cycle`: greedy orthrus verifies an 8-node tree
+        with a trained head, plus lookup of 16 tokens); 0 turns either off.
 
         on_text(str) receives text as tokens are committed; on_tokens(list[int]) the committed ids.
         Returns a GenerationOutput(text, token_ids, stats, prompt_ids, finish_reason).
@@ -355,8 +358,10 @@ class OrthrusLM(nn.Module):
 
         prompt_ids = list(prompt) if isinstance(prompt, (list, tuple)) else encode_prompt(self.tokenizer, prompt,
                                                                                           chat_template)
+        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        tree, lookup = auto_cycle(mode, cycle, sampling.greedy, self.head_digest != headfile.UNTRAINED, tree, lookup)
         cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=k, cycle=cycle, groups=groups, tree=tree, lookup=lookup,
-                           sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+                           sampling=sampling)
         stream = StreamDecoder(self.tokenizer) if (on_text and self.tokenizer is not None) else None
 
         def _on_tokens(ids):
@@ -369,8 +374,12 @@ class OrthrusLM(nn.Module):
 
         state = decode(self, prompt_ids, mode, cfg, on_tokens=_on_tokens)
         text = self.tokenizer.decode(state.generated, skip_special_tokens=True) if self.tokenizer is not None else ""
+        speculative = mode == "orthrus"
+        config = {"dtype": self.dtype_name, "attn": self.attn, "exact": self.attn == EXACT, "mode": mode,
+                  "cycle": cycle if speculative else None, "k": block_size(self.k, cfg) if speculative else None,
+                  "tree": tree if speculative else 0, "lookup": lookup if speculative else 0}
         return GenerationOutput(text=text, token_ids=state.generated, stats=state.stats.to_dict(),
-                                prompt_ids=prompt_ids, finish_reason=state.finished)
+                                prompt_ids=prompt_ids, finish_reason=state.finished, config=config)
 
 
 def generate(model: OrthrusLM, prompt: str | list[int], mode: str = "orthrus", **kwargs) -> GenerationOutput:

