@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK_FILES = [*DOC_FILES, *sorted((ROOT / "results").glob("**/README.md"))]
 README_MAX_LINES = 200
-THE_README_EXAMPLE = 'lossless generate --tree --lookup "Summarise: ..."'
+THE_README_EXAMPLE = 'lossless generate "Summarise: ..."'
 
 # Shell lines in code blocks that are not run here, by how they start, with the reason.
 NOT_RUN = {

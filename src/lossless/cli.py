@@ -164,7 +164,7 @@ def cmd_distill(args) -> int:
     launcher = None if args.shard else launcher_state()
     shard = parse_shard(args.shard) if launcher is None else (launcher.process_index, launcher.num_processes)
     distill.open_distillation(args.out, args.model, args.dtype, args.max_new_tokens, prompts_file)
-    model = load_model(args.model, args.dtype, args.device, head="none")
+    model = load_model(args.model, args.dtype, args.device, attn="sdpa", head="none")  # batched: stock kernels
     written = distill.generate_responses(model, prompts, args.out, args.max_new_tokens, args.batch,
                                          progress=not args.no_progress, shard=shard)
     records = distill.load_records(args.out)
@@ -226,7 +226,7 @@ def cmd_train(args) -> int:
     accelerator = Accelerator(cpu=args.device == "cpu")
     # the head to train starts untrained (copies of the AR weights), or from --init-head; never from a shipped
     # head by default
-    model = load_model(cfg.model, cfg.dtype, str(accelerator.device), head="none", k=cfg.k)
+    model = load_model(cfg.model, cfg.dtype, str(accelerator.device), attn="sdpa", head="none", k=cfg.k)
     if cfg.init_head:
         model.load_head(cfg.init_head)
         model.k = model.head_info.k = cfg.k  # a head's weights do not depend on k: an arm may train another k

@@ -24,7 +24,7 @@ def setup(tmp_path_factory):
 
 
 def test_responses_are_greedy_resume_and_split_by_shard(setup, tmp_path):
-    model = load_model(setup["model"], "fp32", head="none", k=4)
+    model = load_model(setup["model"], "fp32", attn="sdpa", head="none", k=4)
     prompts = distill.read_prompts(setup["prompts"])
     whole = tmp_path / "whole"
     assert distill.generate_responses(model, prompts, whole, 6, batch_size=4, progress=False) == 10

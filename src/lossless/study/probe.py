@@ -21,6 +21,7 @@ import torch
 
 from ..errors import LosslessError
 from ..decoding.model import OrthrusLM
+from ..decoding.exact import layer_modules
 
 
 @dataclass
@@ -135,7 +136,8 @@ def _observe(model: OrthrusLM, recorder_ref: list):
 
     ALL_ATTENTION_FUNCTIONS[impl] = wrapped
     try:
-        yield
+        with layer_modules():  # exact mode's fused decoder layers run op by op, so every hook sees its op
+            yield
     finally:
         ALL_ATTENTION_FUNCTIONS[impl] = original
         for h in handles:
