@@ -448,18 +448,18 @@ inline void score_tiles(const float* q, int64_t d, const float* tiles, float* ou
 
 // C chunks of 16 head-dim lanes, t0 .. t0 + 16C, of G output rows (heads sharing these values; head g's scores at
 // scores + g * stride): for each lane, one fma chain over the visible keys in key order (score_j * v_j[t]); the
-// G * C chains advance side by side and share each load, never merged. `v` holds the values as fp32 rows of
-// dp >= d lanes (zeros past d).
-template <int G, int C>
-inline void weighted_values(const float* scores, int64_t stride, const std::vector<int32_t>& keys, const float* v,
-                            int64_t dp, int64_t t0, float* acc) {
+// G * C chains advance side by side and share each load, never merged. `v` holds the values as rows of d, read
+// where they lie in the cache (lanes past d read as zeros).
+template <int G, int C, typename T>
+inline void weighted_values(const float* scores, int64_t stride, const std::vector<int32_t>& keys, const T* v,
+                            int64_t d, int64_t dp, int64_t t0, float* acc) {
   V16 sum[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) sum[g][c] = V16::zero();
   for (size_t j = 0; j < keys.size(); ++j) {
-    const float* vj = v + keys[j] * dp + t0;
+    const T* vj = v + keys[j] * d;
     V16 val[C];
-    for (int c = 0; c < C; ++c) val[c] = V16::load(vj + c * LANES);
+    for (int c = 0; c < C; ++c) val[c] = V16::load_padded(vj, t0 + c * LANES, d);
     for (int g = 0; g < G; ++g) {
       const V16 s = V16::splat(scores[g * stride + j]);
       for (int c = 0; c < C; ++c) sum[g][c] = sum[g][c].fma(s, val[c]);
@@ -471,8 +471,8 @@ inline void weighted_values(const float* scores, int64_t stride, const std::vect
 
 // One row's attention for G heads of one kv head (queries qf [G, d] in fp32): scores of every key up to the last
 // visible one, then per head the max, exp and sum over the visible keys and the weighted values, each in key order.
-template <int G>
-inline void attend_heads(const float* qf, int64_t d, int64_t dp, const float* kt, const float* vk,
+template <int G, typename T>
+inline void attend_heads(const float* qf, int64_t d, int64_t dp, const float* kt, const T* vk,
                          const std::vector<int32_t>& seen, float scale, std::vector<float>& all,
                          std::vector<float>& scores, std::vector<float>& acc, float* total) {
   const int64_t used = seen.back() / LANES + 1, stride = used * LANES;
@@ -504,8 +504,8 @@ inline void attend_heads(const float* qf, int64_t d, int64_t dp, const float* kt
   int64_t t = 0;
   constexpr int C = G <= 2 ? 4 : 2;
   for (; t + C * LANES <= dp; t += C * LANES)
-    weighted_values<G, C>(scores.data(), static_cast<int64_t>(m), seen, vk, dp, t, acc.data());
-  for (; t < dp; t += LANES) weighted_values<G, 1>(scores.data(), static_cast<int64_t>(m), seen, vk, dp, t, acc.data());
+    weighted_values<G, C>(scores.data(), static_cast<int64_t>(m), seen, vk, d, dp, t, acc.data());
+  for (; t < dp; t += LANES) weighted_values<G, 1>(scores.data(), static_cast<int64_t>(m), seen, vk, d, dp, t, acc.data());
 }
 
 template <typename T>
@@ -516,7 +516,7 @@ void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Te
   const int64_t groups = h / kvh, dp = (d + LANES - 1) / LANES * LANES, tiles = (n + LANES - 1) / LANES;
   const T* qp = query.data_ptr<T>();
   const T* kp = key.data_ptr<T>();
-  const T* vp = value.data_ptr<T>();  // read once, into vf
+  const T* vp = value.data_ptr<T>();  // read where it lies
   const bool* mp = visible.data_ptr<bool>();
   T* op = out.data_ptr<T>();
   const float scale = static_cast<float>(scaling);
@@ -527,27 +527,19 @@ void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Te
       for (int64_t j = 0; j < n; ++j)
         if (mp[row * n + j]) keys[row].push_back(static_cast<int32_t>(j));
   });
-  // keys [kv, tile, d, 16] and values [kv, n, dp] in fp32, in buffers kept by the calling thread between calls
-  // (fresh ones of a long context's size cost page faults on every call); the lanes past n and past d are zeros
-  static thread_local std::vector<float> kt_store, vf_store;
+  // keys [kv, tile, d, 16] in fp32, in a buffer kept by the calling thread between calls (a fresh one of a long
+  // context's size costs page faults on every call); the lanes past n are zeros
+  static thread_local std::vector<float> kt_store;
   kt_store.resize(std::max(kt_store.size(), static_cast<size_t>(kvh * tiles * d * LANES)));
-  vf_store.resize(std::max(vf_store.size(), static_cast<size_t>(kvh * n * dp)));
   float* kt = kt_store.data();
-  float* vf = vf_store.data();
   at::parallel_for(0, kvh * tiles, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t kv = b / tiles, tile = b % tiles;
-      for (int64_t l = 0; l < LANES; ++l) {
-        if (tile * LANES + l >= n) {
-          for (int64_t t = 0; t < d; ++t) kt[(b * d + t) * LANES + l] = 0.0f;
-          continue;
-        }
-        const int64_t j = kv * n + tile * LANES + l;
-        for (int64_t t = 0; t < d; ++t) {
-          kt[(b * d + t) * LANES + l] = to_float(kp[j * d + t]);
-          vf[j * dp + t] = to_float(vp[j * d + t]);
-        }
-        for (int64_t t = d; t < dp; ++t) vf[j * dp + t] = 0.0f;
+      const int64_t kv = b / tiles, tile = b % tiles, valid = std::min<int64_t>(LANES, n - tile * LANES);
+      const T* first = kp + (kv * n + tile * LANES) * d;  // the tile's first key
+      for (int64_t t = 0; t < d; ++t) {  // one 16-lane line of the tile at a time
+        float* line = kt + (b * d + t) * LANES;
+        for (int64_t l = 0; l < valid; ++l) line[l] = to_float(first[l * d + t]);
+        for (int64_t l = valid; l < LANES; ++l) line[l] = 0.0f;
       }
     }
   });
@@ -568,7 +560,7 @@ void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Te
       }
       for (int64_t e = 0; e < g_count * d; ++e) qf[e] = to_float(qp[(row * h + h0) * d + e]);
       const float* ktk = kt + kv * tiles * d * LANES;
-      const float* vk = vf + kv * n * dp;
+      const T* vk = vp + kv * n * d;
       switch (g_count) {
         case 1: attend_heads<1>(qf.data(), d, dp, ktk, vk, seen, scale, all, scores, acc, total); break;
         case 2: attend_heads<2>(qf.data(), d, dp, ktk, vk, seen, scale, all, scores, acc, total); break;
