@@ -446,6 +446,83 @@ inline void score_tiles(const float* q, int64_t d, const float* tiles, float* ou
     for (int b = 0; b < B; ++b) acc[g][b].store(out + g * stride + b * LANES);
 }
 
+#if defined(LOSSLESS_V16_AVX512)
+// The same scores read from the cache's own rows of keys (keys [n, d] of one kv head, in T), 16 keys to a vector
+// by gathers: B groups of 16 keys from key `first` (lanes past n read the last key; their scores go unused)
+// against G queries, each score one fma chain over d in order, as from the tiles. bf16 and fp16 keys are gathered
+// two inputs at a time and widened (exact).
+template <int G, int B, typename T>
+inline void score_keys(const float* q, int64_t d, const T* keys, int64_t n, int64_t first, float* out,
+                       int64_t stride) {
+  V16 acc[G][B];
+  __m512i row[B];  // element offset of each lane's key
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i last = _mm512_set1_epi32(static_cast<int>(n - 1)), width = _mm512_set1_epi32(static_cast<int>(d));
+#pragma GCC unroll 4
+  for (int b = 0; b < B; ++b) {
+    const __m512i key = _mm512_min_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(first + b * LANES))), last);
+    row[b] = _mm512_mullo_epi32(key, width);
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) acc[g][b] = V16::zero();
+  int64_t t = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; t < d; ++t) {
+      V16 k[B];
+#pragma GCC unroll 4
+      for (int b = 0; b < B; ++b)
+        k[b] = {_mm512_i32gather_ps(_mm512_add_epi32(row[b], _mm512_set1_epi32(static_cast<int>(t))), keys, 4)};
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        const V16 qt = V16::splat(q[g * d + t]);
+#pragma GCC unroll 4
+        for (int b = 0; b < B; ++b) acc[g][b] = acc[g][b].fma(qt, k[b]);
+      }
+    }
+  } else {
+    for (; t + 1 < d; t += 2) {
+      V16 even[B], odd[B];
+#pragma GCC unroll 4
+      for (int b = 0; b < B; ++b) {
+        const __m512i w = _mm512_i32gather_epi32(_mm512_add_epi32(row[b], _mm512_set1_epi32(static_cast<int>(t))),
+                                                 keys, 2);
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          even[b] = {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+          odd[b] = {_mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+        } else {
+          even[b] = {_mm512_cvtph_ps(_mm512_cvtepi32_epi16(w))};
+          odd[b] = {_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)))};
+        }
+      }
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        const V16 qe = V16::splat(q[g * d + t]), qo = V16::splat(q[g * d + t + 1]);
+#pragma GCC unroll 4
+        for (int b = 0; b < B; ++b) acc[g][b] = acc[g][b].fma(qe, even[b]).fma(qo, odd[b]);
+      }
+    }
+    if (t < d) {  // an odd head dim: the last input alone, lane by lane (a pair would read past the last key)
+      V16 k[B];
+      for (int b = 0; b < B; ++b) {
+        float buf[LANES];
+        for (int64_t l = 0; l < LANES; ++l) buf[l] = to_float(keys[std::min(first + b * LANES + l, n - 1) * d + t]);
+        k[b] = V16::load(static_cast<const float*>(buf));
+      }
+      for (int g = 0; g < G; ++g) {
+        const V16 qt = V16::splat(q[g * d + t]);
+        for (int b = 0; b < B; ++b) acc[g][b] = acc[g][b].fma(qt, k[b]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) acc[g][b].store(out + g * stride + b * LANES);
+}
+#endif
+
 // C chunks of 16 head-dim lanes, t0 .. t0 + 16C, of G output rows (heads sharing these values; head g's scores at
 // scores + g * stride): for each lane, one fma chain over the visible keys in key order (score_j * v_j[t]); the
 // G * C chains advance side by side and share each load, never merged. `v` holds the values as rows of d, read
@@ -472,16 +549,24 @@ inline void weighted_values(const float* scores, int64_t stride, const std::vect
 // One row's attention for G heads of one kv head (queries qf [G, d] in fp32): scores of every key up to the last
 // visible one, then per head the max, exp and sum over the visible keys and the weighted values, each in key order.
 template <int G, typename T>
-inline void attend_heads(const float* qf, int64_t d, int64_t dp, const float* kt, const T* vk,
+inline void attend_heads(const float* qf, int64_t d, int64_t dp, const float* kt, const T* kk, int64_t n, const T* vk,
                          const std::vector<int32_t>& seen, float scale, std::vector<float>& all,
                          std::vector<float>& scores, std::vector<float>& acc, float* total) {
   const int64_t used = seen.back() / LANES + 1, stride = used * LANES;
   all.resize(static_cast<size_t>(G * stride));
   int64_t tile = 0;
   constexpr int B = G <= 2 ? 4 : (G == 3 ? 4 : 3);  // G * B accumulators within the 32 (AVX-512) registers
+#if defined(LOSSLESS_V16_AVX512)
+  (void)kt;
+  for (; tile + B <= used; tile += B) score_keys<G, B>(qf, d, kk, n, tile * LANES, all.data() + tile * LANES, stride);
+  for (; tile < used; ++tile) score_keys<G, 1>(qf, d, kk, n, tile * LANES, all.data() + tile * LANES, stride);
+#else
+  (void)kk;
+  (void)n;
   for (; tile + B <= used; tile += B)
     score_tiles<G, B>(qf, d, kt + tile * d * LANES, all.data() + tile * LANES, stride);
   for (; tile < used; ++tile) score_tiles<G, 1>(qf, d, kt + tile * d * LANES, all.data() + tile * LANES, stride);
+#endif
   const size_t m = seen.size(), full = m / LANES * LANES;
   scores.resize(static_cast<size_t>(G) * m);
   for (int g = 0; g < G; ++g) {
@@ -528,7 +613,11 @@ void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Te
         if (mp[row * n + j]) keys[row].push_back(static_cast<int32_t>(j));
   });
   // keys [kv, tile, d, 16] in fp32, in a buffer kept by the calling thread between calls (a fresh one of a long
-  // context's size costs page faults on every call); the lanes past n are zeros
+  // context's size costs page faults on every call); the lanes past n are zeros. AVX-512 gathers the scores'
+  // keys from the cache's rows instead.
+#if defined(LOSSLESS_V16_AVX512)
+  float* kt = nullptr;
+#else
   static thread_local std::vector<float> kt_store;
   kt_store.resize(std::max(kt_store.size(), static_cast<size_t>(kvh * tiles * d * LANES)));
   float* kt = kt_store.data();
@@ -543,9 +632,11 @@ void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Te
       }
     }
   });
-  // work items: (row, kv head, up to `per` of its query heads); with few rows one head per item, so every thread
-  // has work (a decode step). Which heads share an item never changes a bit: each output is its own chain.
-  const int64_t per = q * kvh >= 2 * at::get_num_threads() ? 4 : 1, parts = (groups + per - 1) / per;
+#endif
+  // work items: (row, kv head, up to `per` of its query heads, which share each key read); one head per item
+  // only when there are fewer (row, kv head) pairs than threads, so every thread has work. Which heads share an
+  // item never changes a bit: each output is its own chain.
+  const int64_t per = q * kvh >= at::get_num_threads() ? 4 : 1, parts = (groups + per - 1) / per;
   at::parallel_for(0, q * kvh * parts, 1, [&](int64_t a0, int64_t a1) {
     const FlushDenormals flush_here;
     std::vector<float> all, scores, acc, qf(static_cast<size_t>(4 * d));
@@ -559,13 +650,14 @@ void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Te
         continue;
       }
       for (int64_t e = 0; e < g_count * d; ++e) qf[e] = to_float(qp[(row * h + h0) * d + e]);
-      const float* ktk = kt + kv * tiles * d * LANES;
+      const float* ktk = kt == nullptr ? nullptr : kt + kv * tiles * d * LANES;
       const T* vk = vp + kv * n * d;
+      const T* kk = kp + kv * n * d;
       switch (g_count) {
-        case 1: attend_heads<1>(qf.data(), d, dp, ktk, vk, seen, scale, all, scores, acc, total); break;
-        case 2: attend_heads<2>(qf.data(), d, dp, ktk, vk, seen, scale, all, scores, acc, total); break;
-        case 3: attend_heads<3>(qf.data(), d, dp, ktk, vk, seen, scale, all, scores, acc, total); break;
-        default: attend_heads<4>(qf.data(), d, dp, ktk, vk, seen, scale, all, scores, acc, total); break;
+        case 1: attend_heads<1>(qf.data(), d, dp, ktk, kk, n, vk, seen, scale, all, scores, acc, total); break;
+        case 2: attend_heads<2>(qf.data(), d, dp, ktk, kk, n, vk, seen, scale, all, scores, acc, total); break;
+        case 3: attend_heads<3>(qf.data(), d, dp, ktk, kk, n, vk, seen, scale, all, scores, acc, total); break;
+        default: attend_heads<4>(qf.data(), d, dp, ktk, kk, n, vk, seen, scale, all, scores, acc, total); break;
       }
       for (int64_t g = 0; g < g_count; ++g) {
         T* o = op + (row * h + h0 + g) * d;
