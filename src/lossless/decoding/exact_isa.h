@@ -602,6 +602,7 @@ void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Te
   const T* qp = query.data_ptr<T>();
   const T* kp = key.data_ptr<T>();
   const T* vp = value.data_ptr<T>();  // read where it lies
+  const int64_t ks = key.stride(0), vs = value.stride(0);  // between kv heads (rows are contiguous)
   const bool* mp = visible.data_ptr<bool>();
   T* op = out.data_ptr<T>();
   const float scale = static_cast<float>(scaling);
@@ -624,7 +625,7 @@ void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Te
   at::parallel_for(0, kvh * tiles, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t kv = b / tiles, tile = b % tiles, valid = std::min<int64_t>(LANES, n - tile * LANES);
-      const T* first = kp + (kv * n + tile * LANES) * d;  // the tile's first key
+      const T* first = kp + kv * ks + tile * LANES * d;  // the tile's first key
       for (int64_t t = 0; t < d; ++t) {  // one 16-lane line of the tile at a time
         float* line = kt + (b * d + t) * LANES;
         for (int64_t l = 0; l < valid; ++l) line[l] = to_float(first[l * d + t]);
@@ -651,8 +652,8 @@ void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Te
       }
       for (int64_t e = 0; e < g_count * d; ++e) qf[e] = to_float(qp[(row * h + h0) * d + e]);
       const float* ktk = kt == nullptr ? nullptr : kt + kv * tiles * d * LANES;
-      const T* vk = vp + kv * n * d;
-      const T* kk = kp + kv * n * d;
+      const T* vk = vp + kv * vs;
+      const T* kk = kp + kv * ks;
       switch (g_count) {
         case 1: attend_heads<1>(qf.data(), d, dp, ktk, kk, n, vk, seen, scale, all, scores, acc, total); break;
         case 2: attend_heads<2>(qf.data(), d, dp, ktk, kk, n, vk, seen, scale, all, scores, acc, total); break;
@@ -789,6 +790,11 @@ at::Tensor silu(const at::Tensor& x) {
 // the module path. An empty bias or norm weight means none. (Calls in parentheses: this file's kernels, not
 // ATen's namesakes found by argument-dependent lookup.)
 
+// t [kv, n, d] as the attention kernel reads it: rows contiguous, any stride between kv heads (a copy if not)
+inline at::Tensor rows_contiguous(const at::Tensor& t) {
+  return t.stride(2) == 1 && (t.size(1) <= 1 || t.stride(1) == t.size(2)) ? t : t.contiguous();
+}
+
 inline c10::optional<at::Tensor> maybe(const at::Tensor& t) {
   return t.numel() ? c10::optional<at::Tensor>(t) : c10::nullopt;
 }
@@ -856,7 +862,7 @@ at::Tensor layer_out(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
                      double eps) {
   TORCH_CHECK(packed.size() == 4 && bias.size() == 4 && n.size() == 4, "layer_out: o, gate, up and down projections");
   const int64_t m = x.size(0);
-  const at::Tensor a = (attention)(q, keys.contiguous(), values.contiguous(), visible, scaling).view({m, -1});
+  const at::Tensor a = (attention)(q, rows_contiguous(keys), rows_contiguous(values), visible, scaling).view({m, -1});
   const at::Tensor x1 = at::add(x, (linear)(a, packed[0], n[0], maybe(bias[0])));
   const at::Tensor h = (rms_norm)(x1, norm_w, eps);
   const std::vector<at::Tensor> gate_up = linear_many(h, {packed[1], packed[2]}, {n[1], n[2]},

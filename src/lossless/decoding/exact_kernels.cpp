@@ -83,8 +83,18 @@ void check_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
   if (bias.has_value()) check_cpu(*bias, "bias");
 }
 
+// key/value [kv, n, d]: rows of d contiguous, one after another; any stride between kv heads (a cache that grows
+// in place holds each head's rows in a longer buffer)
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && (t.size(1) <= 1 || t.stride(1) == t.size(2)), what,
+              " must hold its rows contiguously");
+}
+
 void check_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& visible) {
-  for (auto* t : {&query, &key, &value, &visible}) check_cpu(*t, "attention input");
+  for (auto* t : {&query, &visible}) check_cpu(*t, "attention input");
+  check_rows(key, "attention key");
+  check_rows(value, "attention value");
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.sizes() == key.sizes(), "attention: q [q,h,d], k/v [kv,n,d]");
   TORCH_CHECK(query.size(1) % key.size(0) == 0 && query.size(2) == key.size(2), "attention: head shapes");
   TORCH_CHECK(visible.scalar_type() == at::kBool && visible.size(0) == query.size(0) && visible.size(1) == key.size(1),

@@ -223,10 +223,16 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
               scaling: float) -> torch.Tensor:
-    """query [q, h, d], key/value [kv, n, d], visible [q, n] bool -> [q, h, d]: each row's softmax attention
-    over the keys it may see, in key order (a row that sees nothing gets zeros)."""
-    return ops().attention(query.contiguous(), key.contiguous(), value.contiguous(), visible.contiguous(),
-                           float(scaling))
+    """query [q, h, d], key/value [kv, n, d] (rows contiguous, any stride between kv heads), visible [q, n] bool ->
+    [q, h, d]: each row's softmax attention over the keys it may see, in key order (a row that sees nothing gets
+    zeros)."""
+    return ops().attention(query.contiguous(), _rows(key), _rows(value), visible.contiguous(), float(scaling))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [kv, n, d] with each row of d contiguous and rows one after another (any stride between kv heads, as in
+    a cache that grows in place); a copy only if not."""
+    return t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

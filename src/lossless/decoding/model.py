@@ -22,6 +22,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from . import exact
+from .cache import growing_cache
 from . import head as headfile
 from .loop import DecodeConfig, GenerationOutput, auto_cycle, block_size, decode
 from ..dtypes import dtype_name
@@ -191,7 +192,7 @@ class OrthrusLM(nn.Module):
 
     # ---------------------------------------------------------------------------------------- forwards
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
+        return growing_cache(self.config)
 
     def _lm_forward(self, ids: torch.Tensor, pos: int, cache: DynamicCache, last_only: bool = False) -> torch.Tensor:
         """AR view over `ids` [1, q] at positions pos..pos+q-1, appending to `cache`. Returns logits [q, V]

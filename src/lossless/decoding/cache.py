@@ -1,0 +1,62 @@
+"""A decode cache that grows in place: Hugging Face's `DynamicCache` with layers whose keys and values are views
+into buffers with room to spare, so a decode step writes its new keys and values where they go instead of
+concatenating (copying) the whole cache in every layer.
+
+Everything else about the cache is Hugging Face's: `crop` slices the views, tree commits write through them, and
+a layer whose keys were replaced by other code (not a view of its buffer) starts a new buffer from them. The
+values a forward reads are the same numbers either way; only copies go.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+ROOM = 256  # positions of room a new buffer gets beyond what it must hold, at least (and half as many again)
+
+
+class GrowingLayer(DynamicLayer):
+    """A `DynamicLayer` whose `keys`/`values` [b, kv, n, d] are the first n positions of buffers [b, kv, cap, d]."""
+
+    _buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _views_buffer(self) -> bool:
+        if self._buffers is None or self.keys is None or self.keys.numel() == 0:
+            return False
+        return all(t.dim() == 4 and t.data_ptr() == b.data_ptr() and t.stride() == b.stride() and t.dtype == b.dtype
+                   and t.shape[:2] == b.shape[:2] and t.shape[3] == b.shape[3]
+                   for t, b in zip((self.keys, self.values), self._buffers))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, q = self.get_seq_length(), key_states.shape[-2]
+        fits = self._views_buffer() and n + q <= self._buffers[0].shape[2] and \
+            self._buffers[0].shape[:2] == key_states.shape[:2] and self._buffers[0].dtype == key_states.dtype
+        if not fits:
+            cap = n + q + max(ROOM, (n + q) // 2)
+            fresh = tuple(torch.empty(*s.shape[:2], cap, s.shape[3], dtype=s.dtype, device=s.device)
+                          for s in (key_states, value_states))
+            if n:
+                fresh[0][:, :, :n] = self.keys
+                fresh[1][:, :, :n] = self.values
+            self._buffers = fresh
+        keys, values = self._buffers
+        keys[:, :, n:n + q] = key_states
+        values[:, :, n:n + q] = value_states
+        self.keys, self.values = keys[:, :, :n + q], values[:, :, :n + q]
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        self._buffers = None
+        super().reset()
+
+
+def growing_cache(config) -> DynamicCache:
+    """`DynamicCache(config=config)` with `GrowingLayer`s in place of its plain dynamic layers (a config whose
+    layers are of other kinds, sliding windows say, keeps Hugging Face's)."""
+    cache = DynamicCache(config=config)
+    if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
+        cache.layers = [GrowingLayer() for _ in cache.layers]
+    return cache
