@@ -134,7 +134,11 @@ def exclusive_lock(path: str | Path, busy: str):
 
     path = Path(path)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # its folder went meanwhile (another process of one launch checking it: see
+            path.parent.mkdir(parents=True, exist_ok=True)  # check_writable_dir); once the lock is in, it stays
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
