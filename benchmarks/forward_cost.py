@@ -31,6 +31,7 @@ from contextlib import contextmanager
 import torch
 
 import lossless
+from lossless.decoding import kernels
 from lossless.decoding.exact import layer_modules
 from lossless.decoding.loop import commit_cache
 from lossless.errors import LosslessError
@@ -51,8 +52,6 @@ FAMILIES = ("linear (GEMM)", "LM head (GEMM)", "attention", "norm + activation",
 def labelled_exact_kernels():
     """Exact mode's compiled kernels under profiler labels (they are not aten ops), for `profile_ops`."""
     from torch.profiler import record_function
-
-    from lossless.decoding import kernels
 
     saved = {name: getattr(kernels, name) for name in ("linear", "attention", "rms_norm", "silu", "layer_in", "layer_out")}
 
@@ -124,8 +123,6 @@ def weight_tensors(model, step) -> list[torch.Tensor]:
 
 def floor_call(tensors: list[torch.Tensor], threads: int):
     """A call that streams `tensors` once at `threads` threads (the run's own count restored after)."""
-    from lossless.decoding import kernels
-
     stream = kernels.stream
 
     def call():
@@ -226,7 +223,8 @@ def main(argv=None) -> int:
     print(f"model={args.model} dtype={args.dtype} cache={args.cache} rounds={args.rounds} threads={torch.get_num_threads()}")
     for a, model in models.items():
         if model.exact_ops:
-            print(f"{a} kernels: {'; '.join(model.exact_ops)}")
+            print(f"{a} kernels: {'; '.join(model.exact_ops)}; bf16 products "
+                  f"{'as widened fp32 fmas' if kernels.bf16_widened() else 'by the dot-product instruction'}")
     print(f"floor: one read of the {len(weights)} linear weights ({mbytes:.0f} MB) "
           + ", ".join(f"{1000 * floor[t]:.1f} ms at {t} thread{'s' if t > 1 else ''} ({mbytes / 1000 / floor[t]:.1f} GB/s)"
                       for t in floors))

@@ -378,7 +378,7 @@ inline void panel_rows(int rows, const Rows<T>& x, int64_t r, const T* panels, i
 }
 
 // the most rows one block takes: RB where the dot-product instruction runs (bf16), 4 elsewhere
-template <typename T> constexpr int block_rows() { return PAIRED<T> ? RB : (RB < 4 ? RB : 4); }
+template <typename T> constexpr int block_rows() { return PAIRED<T> ? RB : 4; }
 
 template <int J, typename T>
 inline void panel_all_rows(const Rows<T>& x, int64_t m, const T* panels, int64_t n, int64_t p, T* out, const T* bias) {

@@ -172,7 +172,6 @@ namespace isa_scalar {
     sub.def("choose_bf16_path", &isa_##NS::choose_bf16_path, "time both bf16 paths once, take the faster (same bits)"); \
     sub.def("bf16_widened", &isa_##NS::bf16_widened, "whether bf16 products run as widened fp32 fmas");         \
     sub.def("set_widen_bf16", &isa_##NS::set_widen_bf16, "bf16 products as widened fp32 fmas (True) or dot products"); \
-    sub.def("linear_many", &isa_##NS::linear_many, "x through several packed weights in one parallel region");  \
     sub.def("layer_in", &isa_##NS::layer_in, "a decoder layer up to the cache: norm, q/k/v, q/k norms, rotary");  \
     sub.def("layer_out", &isa_##NS::layer_out, "a decoder layer from attention on: o, residual, norm, MLP");        \
   } while (0)
