@@ -178,24 +178,29 @@ def test_no_verify_row_sees_a_group_row(perturbed, family):
     assert written[0].shape[-2] == pos + len(block)
 
 
-def test_each_group_drafts_what_the_draft_view_drafts_from_its_anchor(perturbed, family):
-    """Group n sees the cache and the block's keys before pos+n: the two-pass draft pass anchored at block
-    position n (cache cropped to pos+n) computes the same rows."""
-    model = perturbed[family]
+def groups_and_two_pass(model, block: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(a fused forward's group n logits, the two-pass draft pass anchored at block position n) for every n.
+    Group n sees the cache and the block's keys before pos+n: the same keys as the draft view's pass over
+    [anchor, MASK x width] from the cache cropped to pos+n."""
     cache, _ = model.prefill(PROMPTS[0])
     pos = cache.get_seq_length()
-    block = [11, 12, 13, 14, 15]
-    _, groups = model.verify_and_draft(copy.deepcopy(cache), block, [0, 1, 2, 3, 4], 4)
+    _, groups = model.verify_and_draft(copy.deepcopy(cache), block, list(range(len(block))), 4)
+    pairs = []
     for n in range(len(block)):
         c = copy.deepcopy(cache)
         if n:
             model.verify(c, block[:n])  # the AR keys of block positions < n
         commit_cache(c, pos + n + 1)
-        # the two-pass draft view over the same block [anchor, MASK x 4] at the same positions
         embeds = model.block_embeddings(torch.tensor([block[n]]), 5)
         with torch.no_grad():
             two_pass = model.draft_hidden(embeds, torch.arange(pos + n, pos + n + 5)[None], c)  # [5, V]
-        torch.testing.assert_close(model.draft_logits(groups[n]), two_pass[1:], rtol=1e-4, atol=1e-4)
+        pairs.append((model.draft_logits(groups[n]), two_pass[1:]))
+    return pairs
+
+
+def test_each_group_drafts_what_the_draft_view_drafts_from_its_anchor(perturbed, family):
+    for fused_rows, two_pass in groups_and_two_pass(perturbed[family], [11, 12, 13, 14, 15]):
+        torch.testing.assert_close(fused_rows, two_pass, rtol=1e-4, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------------- rejection sampling
@@ -279,3 +284,23 @@ def test_exact_fused_equals_exact_ar_bitwise_in_half_precision(family, dtype):
     single = copy.deepcopy(cache)
     steps = torch.stack([model.step(single, t) for t in [7, 8, 9, 10]])
     assert torch.equal(logits, steps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_exact_draft_view_runs_the_fixed_order_kernels(family, dtype):
+    """In exact mode the draft view's attention runs the exact kernel too: a group's draft rows are bitwise
+    the two-pass draft pass's, however many other rows share the forward (so drafts, and what rejection
+    sampling does with them, are the same on any CPU), and they are the stock draft view's to rounding."""
+    from lossless.decoding.model import OrthrusLM
+    from conftest import tiny_backbone
+
+    model = OrthrusLM(tiny_backbone(family).to(dtype), k=8)
+    perturb_head(model, 0.3)
+    block = [11, 12, 13, 14, 15]
+    stock = groups_and_two_pass(model, block)
+    model.set_attn("exact")
+    exact = groups_and_two_pass(model, block)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.1)
+    for (fused_rows, two_pass), (stock_rows, _) in zip(exact, stock):
+        assert torch.equal(fused_rows, two_pass)
+        torch.testing.assert_close(fused_rows.float(), stock_rows.float(), **tol)

@@ -30,6 +30,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..errors import LosslessError
 from ..names import EXACT
+from .exact import exact_attention
 
 DIFF_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 DIFF_NORM = ("q_norm", "k_norm")
@@ -38,7 +39,7 @@ DIFF_NORM = ("q_norm", "k_norm")
 SUPPORTED_FAMILIES = ("llama", "qwen3")
 # attention implementations whose draft view calls torch's SDPA itself, with grouped-query attention in the
 # kernel (on CPU, where a mask does not push SDPA off its fast kernels)
-GQA_IN_KERNEL = ("sdpa", EXACT)
+GQA_IN_KERNEL = ("sdpa",)
 
 
 def check_family(model_type: str | None, where: str = "") -> None:
@@ -244,6 +245,10 @@ class DualViewAttentionMixin:
         if mask is not None:
             mask = mask.to(query.dtype)
         impl = self.config._attn_implementation
+        if impl == EXACT:
+            # the fixed-order kernel, as the AR view's passes (the stock path only where `exact_attention`
+            # takes it: autograd, `stock_kernels()`); no mask: every key visible
+            return exact_attention(self, query, key, value, mask, scaling=self.scaling, is_causal=False)[0]
         if impl in GQA_IN_KERNEL and query.device.type == "cpu":
             # grouped-query attention inside the kernel: with a mask, the stock SDPA path first copies the
             # keys/values to every query head (training steps 4.5% faster without that copy, same results)
