@@ -5,7 +5,7 @@ At a fixed cache length it times, alternating in one process (medians over round
 - AR forwards of 1, 2, 4, 8, 9, 16, 17 and 32 rows (a decode step and verify blocks; 9 rows is the chain's
   verify at k=8, 17 a lookup of 16 tokens),
 - a tree verify (the 8-node tree of the chain's shape plus a 4-token branch: 13 rows),
-- the two-pass draft pass (k rows of the draft view),
+- the two-pass draft pass (k rows of the draft view; in exact mode also module by module, unfused),
 - fused forwards `verify_and_draft` for each `--fused k:groups` setting (k verify rows plus `groups`
   draft groups of k rows),
 and the memory floor: one read of every byte of the linear weights a decode step reads (exact mode's packed panels where a
@@ -144,6 +144,11 @@ def forwards(model, cache, n: int, fused: list[tuple[int, int]]) -> dict[str, tu
     parents = [-1, 0, 1, 2, 3, 4, 5, 6, 7, 0, 9, 10, 11]  # the 8-node chain and a 4-token branch beside it
     calls["tree 13 rows"] = (lambda: (model.verify_tree(cache, [token] * 13, parents), reset()), 13)
     calls[f"draft pass k={model.k}"] = (lambda: model.draft(cache, token, model.k), model.k)
+
+    def draft_by_module():
+        with layer_modules():  # exact mode's draft pass through Hugging Face's layer code (stock: the same call)
+            model.draft(cache, token, model.k)
+    calls[f"draft pass k={model.k}, modules"] = (draft_by_module, model.k)
     for k, g in fused:
         calls[f"fused k={k} groups={g}"] = (
             lambda k=k, g=g: (model.draft_logits(model.verify_and_draft(cache, [token] * k, list(range(g)), k - 1)[1][0]),

@@ -3,7 +3,8 @@
 (`orthrus_fused`; `--fused 4:2,3:3` adds block-size:group settings side by side), verifying a candidate tree
 (`orthrus_tree`; `--tree 8,16` sets its node budgets), and with a prompt-lookup branch beside the drafts
 (`orthrus_lookup`, `orthrus_tree_lookup` with the first tree budget, `orthrus_fused_lookup` with the first fused
-setting; `--lookup N` tokens).
+setting; `--lookup N` tokens); and, where llama-cpp-python is installed (`pip install .[peers]`), `llama_cpp`:
+llama.cpp's greedy decoding of the embedded GGUF requantized by llama.cpp to `--dtype` (`peers.py`).
 
 The protocol (so that a ratio means something on a noisy machine):
 - every method is warmed up first (first calls allocate, pick kernels, pack weights);
@@ -34,6 +35,7 @@ from collections import Counter
 import torch
 
 import lossless
+import peers
 from lossless import paths
 from lossless.training.distill import read_prompts
 from lossless.errors import LosslessError
@@ -43,8 +45,9 @@ from lossless.stats import bootstrap_mean
 from lossless.text import encode_prompt
 
 METHODS = ("hf_generate", "ar", "prompt_lookup", "orthrus", "orthrus_lookup", "orthrus_tree", "orthrus_tree_lookup",
-           "orthrus_fused", "orthrus_fused_lookup")
+           "orthrus_fused", "orthrus_fused_lookup", "llama_cpp")
 HF_METHODS = ("hf_generate", "prompt_lookup")
+PEER_METHODS = ("llama_cpp",)  # other engines, run once each (their own kernels), when they are installed
 FUSED_DEFAULT = "3"  # block size k[:draft groups per forward]; "3" = the library's default (k=3, every group)
 WARMUP_TOKENS = 16
 
@@ -92,14 +95,15 @@ def parse_fused(text: str) -> tuple[int, int | None]:
 
 
 def variants_for(methods, kernels, trees, fused):
-    """{name: (kernel, kind, setting)}: HF methods once (stock kernels), every other method on every kernel."""
+    """{name: (kernel, kind, setting)}: HF methods once (stock kernels), peers once (their own), every other method
+    on every kernel."""
     out = {}
     for j, kernel in enumerate(kernels):
         at = "" if j == 0 else f"@{kernel}"
         for m in methods:
-            if m in HF_METHODS:
+            if m in HF_METHODS or m in PEER_METHODS:
                 if j == 0:
-                    out[m] = ("stock", m, None)
+                    out[m] = ("stock" if m in HF_METHODS else "peer", m, None)
             elif m == "orthrus_fused":
                 for i, (k, groups) in enumerate(fused):
                     tag = "" if i == 0 else f"[{k}{f':{groups}' if groups else ''}]"
@@ -113,6 +117,8 @@ def variants_for(methods, kernels, trees, fused):
 
 
 def run_variant(model, kind, setting, ids, max_new_tokens, args, trees, fused, counter):
+    if kind == "llama_cpp":
+        return model.run(ids, max_new_tokens, args.eos)
     if kind in HF_METHODS:
         return run_hf(model, ids, max_new_tokens, counter, prompt_lookup=kind == "prompt_lookup")
     if kind == "orthrus_tree":
@@ -150,7 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help="seed of the per-prompt, per-repeat method order")
     ap.add_argument("--k", type=int, default=None)
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
+    ap.add_argument("--methods", default=",".join(m for m in METHODS if m not in PEER_METHODS or peers.available()),
+                    help=f"comma-separated, from {', '.join(METHODS)} (default: all; llama_cpp where it is installed)")
     ap.add_argument("--fused", default=FUSED_DEFAULT,
                     help="orthrus_fused settings as k:groups, comma-separated; the first is `orthrus_fused`, the "
                          "others run side by side as `orthrus_fused[k:groups]`")
@@ -170,6 +177,8 @@ def main(argv=None) -> int:
         bad = [m for m in methods if m not in METHODS]
         if bad:
             raise LosslessError(f"unknown method {bad[0]}: choose from {', '.join(METHODS)}")
+        if "llama_cpp" in methods and not peers.available():
+            raise LosslessError("llama_cpp: llama-cpp-python is not installed; pip install .[peers] (see docs/speed.md)")
         fused = [parse_fused(f) for f in args.fused.split(",") if f]
         if {"orthrus_fused", "orthrus_fused_lookup"} & set(methods) and not fused:
             raise LosslessError("--fused needs at least one k:groups setting")
@@ -192,17 +201,21 @@ def main(argv=None) -> int:
             prompts = prompts[: args.limit]
         if not prompts:
             raise LosslessError(f"{args.suite}: no prompts")
+        if "llama_cpp" in methods:
+            models["peer"] = peers.LlamaCpp(args.model, args.dtype, torch.get_num_threads())
     except LosslessError as exc:
         print(f"speed: error: {exc}", file=sys.stderr)
         return 2
-    counters = {id(m): ForwardCounter(m.backbone.model) for m in {id(m): m for m in models.values()}.values()}
+    args.eos = models["stock"].eos_token_ids()
+    counters = {id(m): ForwardCounter(m.backbone.model) for m in {id(m): m for m in models.values()}.values()
+                if m is not models.get("peer")}
     encoded = [encode_prompt(models["stock"].tokenizer, p["prompt"]) for p in prompts]
     variants = variants_for(methods, kernels, trees, fused)
 
     def run(name, ids, max_new_tokens):
         kernel, kind, setting = variants[name]
         model = models[kernel]
-        return run_variant(model, kind, setting, ids, max_new_tokens, args, trees, fused, counters[id(model)])
+        return run_variant(model, kind, setting, ids, max_new_tokens, args, trees, fused, counters.get(id(model)))
 
     for name in variants:  # warm-up, every method
         run(name, encoded[0], min(WARMUP_TOKENS, args.max_new_tokens))
@@ -224,14 +237,14 @@ def main(argv=None) -> int:
     summary = {}
     for name, (kernel, kind, _) in variants.items():
         rs = first[name]
-        ar_name = "ar" if kernel in ("stock", kernels[0]) else f"ar@{kernel}"
+        ar_name = "ar" if kernel in ("stock", "peer", kernels[0]) else f"ar@{kernel}"
         summary[name] = {
             "tokens_per_second": round(statistics.median(tps[name]), 2),
             "tokens_per_step": round(statistics.mean((len(r["tokens"]) - 1) / r["steps"] for r in rs), 3),
             "tokens_per_forward": round(statistics.mean(len(r["tokens"]) / r["forwards"] for r in rs), 3),
             "speedup_vs_hf_generate": None,
             "mean_new_tokens": round(statistics.mean(len(r["tokens"]) for r in rs), 1),
-            "kernel": (stock or "sdpa") if kernel == "stock" else kernel,
+            "kernel": {"stock": stock or "sdpa", "peer": "llama.cpp"}.get(kernel, kernel),
         }
         if "hf_generate" in variants:
             ratio = paired(tps[name], tps["hf_generate"])
@@ -249,6 +262,12 @@ def main(argv=None) -> int:
     for a, m in models.items():
         if a == EXACT and m.exact_ops:
             print(f"{a} kernels: {'; '.join(m.exact_ops)}")
+    if "peer" in models:
+        from importlib.metadata import version
+
+        print(f"llama_cpp: llama-cpp-python {version('llama-cpp-python')}, {models['peer'].path.name} (requantized by "
+              f"llama.cpp from the embedded GGUF), greedy, {torch.get_num_threads()} threads; its '= ar' column "
+              f"compares with our ar on {kernels[0]}")
     width = max(15, *(len(m) + 2 for m in summary))
     print(f"{'method':<{width}}{'tokens/s':>10}{'tok/step':>10}{'tok/fwd':>9}{'vs HF generate [95% CI]':>26}{'= ar':>7}")
     for m, s in summary.items():

@@ -251,7 +251,53 @@ def test_exact_mode_reports_what_it_replaced():
     assert isinstance(adapter.act, SiluMixin) and "SiLU x2 (fixed-order kernel)" in model.exact_ops
 
 
+def test_exact_mode_keeps_frozen_weights_as_panels_only(family):
+    """One copy of the weights: every frozen linear weight no other module shares lives as its panels only (the
+    module's `weight` a meta tensor); stock passes (scoring) and the head's int8 reference see it unpacked bit
+    for bit; trainable weights (the draft head's) and tied ones keep their tensors."""
+    from lossless.decoding import exact
+    from lossless.decoding.dualview import diff_reference_parameters
+
+    backbone = tiny_backbone(family).to(torch.float32)
+    backbone.config.tie_word_embeddings = True
+    backbone.lm_head.weight = backbone.model.embed_tokens.weight  # tied, as SmolLM2's
+    model = OrthrusLM(backbone, k=8)
+    weights = {name: m.weight.detach().clone() for name, m in backbone.named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    ids = list(range(3, 40))
+    scored = model.score(ids[:5], ids[5:])
+    model.set_attn("exact")
+    linears = {name: m for name, m in backbone.named_modules() if isinstance(m, PackedLinearMixin)}
+    released = {name for name, m in linears.items() if m.released()}
+    assert released == {n for n in linears if "_diff" not in n and n != "lm_head"}
+    assert all(linears[n].weight.device.type == "meta" for n in released)
+    assert not any(linears[n].weight.is_meta for n in set(linears) - released)
+    for name in released:
+        assert torch.equal(linears[name].stock_weight(), weights[name])
+    again = model.score(ids[:5], ids[5:])
+    assert torch.equal(again[0], scored[0]) and torch.equal(again[1], scored[1])
+    refs = diff_reference_parameters(backbone)
+    for key, ref in refs.items():
+        if key.endswith("proj_diff.weight"):
+            layer, proj = key.split(".")[1], key.split(".")[2].removesuffix("_diff")
+            assert torch.equal(ref, weights[f"model.layers.{layer}.self_attn.{proj}"])
+    q = linears["model.layers.0.self_attn.q_proj"]
+    with exact.stock_kernels():  # unpacked once per block
+        assert q.stock_weight() is q.stock_weight()
+    assert q.stock_weight() is not q.stock_weight()
+    with pytest.raises(LosslessError, match="trainable"):
+        linears["model.layers.0.self_attn.q_proj_diff"].release_weight()
+
+
 # ------------------------------------------------------------------------------------------ the kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 70), k=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_unpacking_a_packed_weight_gives_it_back_bit_for_bit(dtype, n, k, seed):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    assert torch.equal(kernels.unpack_weight(kernels.pack_weight(w), n, k), w)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @settings(max_examples=25, **SLOW)
 @given(data=st.data())

@@ -48,6 +48,15 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = keys[:, :, :n + q], values[:, :, :n + q]
         return self.keys, self.values
 
+    def update_aside(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """The cache's keys and values followed by these [b, kv, q, d], without adding them to the cache: they are
+        written into the buffers' room past its end (the next update writes over them), so a pass that reads
+        the cache and rows of its own (the draft view's) copies nothing. The cache's length stays as it was."""
+        n = self.get_seq_length()
+        keys, values = self.update(key_states, value_states)
+        self.keys, self.values = keys[:, :, :n], values[:, :, :n]
+        return keys, values
+
     def reset(self) -> None:
         self._buffers = None
         super().reset()

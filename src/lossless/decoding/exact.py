@@ -31,6 +31,7 @@ This module does not know decoding; it only swaps module classes and registers t
 
 from __future__ import annotations
 
+import ctypes.util
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -38,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+from .cache import GrowingLayer
 from ..errors import LosslessError
 from ..names import EXACT
 
@@ -96,6 +98,8 @@ def cpu_multiplies_natively(dtype: torch.dtype) -> bool:
 
 
 _STOCK: ContextVar[bool] = ContextVar("lossless_stock_kernels", default=False)
+# weights unpacked from their panels for the stock passes of one `stock_kernels()` block, freed when it ends
+_UNPACKED: ContextVar[dict | None] = ContextVar("lossless_unpacked_weights", default=None)
 
 
 def _stock(x: torch.Tensor, *params) -> bool:
@@ -108,25 +112,61 @@ def _stock(x: torch.Tensor, *params) -> bool:
 def stock_kernels():
     """Within this block exact mode's kernels take the stock path, for passes that need no invariance
     (teacher-forced scoring). Everything outside such a block runs the fixed-order kernels."""
-    token = _STOCK.set(True)
+    token, unpacked = _STOCK.set(True), _UNPACKED.set({})
     try:
         yield
     finally:
+        _UNPACKED.reset(unpacked)
         _STOCK.reset(token)
 
 
 class PackedLinearMixin:
     """A Linear computed by `kernels.linear`: each output one fma chain over the inputs in order, so a row's
     result depends on nothing but the row. The packed weight is made on first use and again whenever the
-    weight tensor changes (a loaded head, a training step)."""
+    weight tensor changes (a loaded head, a training step). A frozen weight no other module shares is kept as
+    the panels only (`release_weight`): its `weight` is then a meta tensor of its shape, and a stock pass
+    unpacks the panels (bit for bit the weight) for as long as it runs."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _stock(x, self.weight, self.bias):
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.stock_weight(), self.bias)
         return kernels.linear(x, self.packed(), self.out_features, self.bias)
+
+    def released(self) -> bool:
+        """Whether the weight lives only in the panels."""
+        return self.weight is self.__dict__.get("_lossless_placeholder")
+
+    def release_weight(self) -> None:
+        """Keep the weight as the panels only (one copy of it in memory); the module's `weight` becomes a meta
+        tensor of the same shape and dtype, so code that reads its values fails loudly instead of computing
+        with zeros. For frozen weights: a weight that trains must stay a tensor autograd can update."""
+        if self.released():
+            return
+        w = self.weight
+        if w.requires_grad:
+            raise LosslessError("a trainable weight keeps its tensor; only frozen weights live as panels only")
+        self.packed()
+        placeholder = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+        self.weight = placeholder
+        self.__dict__["_lossless_placeholder"] = placeholder  # not a registered parameter of its own
+
+    def stock_weight(self) -> torch.Tensor:
+        """The weight as a tensor: the module's own, or, if it lives in the panels only, unpacked from them (once
+        per `stock_kernels()` block, freed when the block ends)."""
+        if not self.released():
+            return self.weight
+        unpacked = _UNPACKED.get()
+        if unpacked is not None and id(self) in unpacked:
+            return unpacked[id(self)]
+        weight = kernels.unpack_weight(self._lossless_packed, self.out_features, self.in_features)
+        if unpacked is not None:
+            unpacked[id(self)] = weight
+        return weight
 
     def packed(self) -> torch.Tensor:
         """The weight in `kernels.linear`'s layout, packed again if the weight tensor changed."""
+        if self.released():
+            return self._lossless_packed
         w = self.weight
         stamp = (w.data_ptr(), w._version, w.dtype)
         if getattr(self, "_lossless_stamp", None) != stamp:
@@ -215,30 +255,51 @@ class FusedLayerMixin:
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                 position_embeddings=None, **kwargs):
-        if (kwargs.get("orthrus_draft") is not None or cache is None or position_embeddings is None
-                or hidden_states.shape[0] != 1 or "past_key_values" in kwargs or _MODULES.get()
-                or _stock(hidden_states, self.input_layernorm.weight)):
+        draft = kwargs.get("orthrus_draft")
+        if ((draft is not None and not self._lossless_drafts_fused(draft, cache)) or cache is None
+                or position_embeddings is None or hidden_states.shape[0] != 1 or "past_key_values" in kwargs
+                or _MODULES.get() or _stock(hidden_states, self.input_layernorm.weight)):
             return super().forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                    cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
-        plan = self.__dict__.get("_lossless_plan")
+        key_of = "_lossless_plan" if draft is None else "_lossless_draft_plan"
+        plan = self.__dict__.get(key_of)
         if plan is None or any(d[name] is not t or t._version != v for d, name, t, v in plan[0]):
-            plan = self.__dict__["_lossless_plan"] = self._lossless_make_plan()
+            plan = self.__dict__[key_of] = self._lossless_make_plan(draft=draft is not None)
         _, rows, layer_idx, scaling, args_in, args_out = plan
         if rows is not None:
-            rows.start = None  # an AR forward: no draft rows for a draft adapter
+            rows.start = None if draft is None else 0  # AR rows, or draft rows from the first on
         x = hidden_states[0].contiguous()
         cos, sin = position_embeddings
         q, key, value = kernels.layer_in(x, cos[0].contiguous(), sin[0].contiguous(), *args_in)
-        keys, values = cache.update(key, value, layer_idx)
-        visible = _Visible.of(attention_mask, x.shape[0], keys.shape[2], x.device)
+        if draft is None:
+            keys, values = cache.update(key, value, layer_idx)
+            visible = _Visible.of(attention_mask, x.shape[0], keys.shape[2], x.device)
+        else:  # the draft view: the cache and its own rows, all of them visible, the cache left as it was
+            keys, values = cache.layers[layer_idx].update_aside(key, value)
+            visible = torch.ones(x.shape[0], keys.shape[2], dtype=torch.bool, device=x.device)
         return kernels.layer_out(x, q, keys[0], values[0], visible, scaling, *args_out).unsqueeze(0)
 
-    def _lossless_make_plan(self) -> tuple:
+    def _lossless_drafts_fused(self, draft, cache) -> bool:
+        """Whether a draft-view forward runs as the two layer calls too: a decoding draft pass (no verify rows,
+        no training layout: every row sees the whole cache and the block) over a cache that grows in place,
+        with the draft view's projections and no draft adapter (its output joins the MLP's inside the kernel's
+        reach only as its own module)."""
+        attn = self.self_attn
+        return (draft.verify_rows == 0 and draft.context is None and draft.chunks is None
+                and draft.context_mask is None and cache is not None
+                and isinstance(cache.layers[attn.layer_idx], GrowingLayer)
+                and cache.get_seq_length(attn.layer_idx) > 0 and getattr(self.mlp, "mlp_diff", None) is None
+                and all(isinstance(getattr(attn, f"{p}_proj_diff", None), PackedLinearMixin) for p in "qkvo"))
+
+    def _lossless_make_plan(self, draft: bool = False) -> tuple:
         """(the weights it was made from with their versions, the draft adapter's row marker, layer index,
-        attention scaling, layer_in's arguments after cos/sin, layer_out's after the visibility)."""
+        attention scaling, layer_in's arguments after cos/sin, layer_out's after the visibility). `draft`: the
+        draft view's plan (its q/k/v/o projections and q/k norms; the layer's norms and MLP)."""
         attn, mlp = self.self_attn, self.mlp
-        ins, outs = (attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        view = "_diff" if draft else ""
+        ins = tuple(getattr(attn, f"{p}_proj{view}") for p in "qkv")
+        outs = (getattr(attn, f"o_proj{view}"), mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        q_norm, k_norm = getattr(attn, f"q_norm{view}", None), getattr(attn, f"k_norm{view}", None)
         first, second = self.input_layernorm, self.post_attention_layernorm
         modules = [*ins, *outs, first, second, *(n for n in (q_norm, k_norm) if n is not None)]
         stamps = [(m._parameters, name, t, t._version) for m in modules for name in ("weight", "bias")
@@ -387,6 +448,7 @@ def make_batch_invariant(backbone: torch.nn.Module) -> list[str]:
             _swap_class(module, mixin)
         elif id(module) not in structure and not isinstance(module, _COVERED) and type(module).__name__ != "DraftAdapter":
             raise LosslessError(f"exact mode has no kernel for {name} ({type(module).__name__}); use --attn sdpa")
+    release_frozen_weights(backbone)
     fused = 0
     for layer in backbone.model.layers:
         if _fusable(layer):
@@ -395,6 +457,75 @@ def make_batch_invariant(backbone: torch.nn.Module) -> list[str]:
     return ["attention", *(f"linear {i}->{o} x{n} (fixed-order kernel)" for (i, o), n in sorted(linears.items())),
             *([f"decoder layer x{fused} (two calls per AR forward)"] if fused else []),
             *(label.format(n) for label, n in sorted(counts.items())), f"kernels {kernels.isa()}"]
+
+
+def release_frozen_weights(backbone: torch.nn.Module) -> int:
+    """Keep every frozen linear weight that no other module shares (a tied LM head shares the embedding's) as
+    its panels only: exact mode then holds one copy of those weights, not two. Returns how many it released."""
+    holders: dict[int, int] = {}
+    for module in backbone.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                holders[id(p)] = holders.get(id(p), 0) + 1
+    released, mapped = 0, _file_mappings()
+    for module in backbone.modules():
+        if isinstance(module, PackedLinearMixin) and not module.released():
+            w = module.weight
+            if not w.requires_grad and holders.get(id(w), 0) == 1 and w.device.type == "cpu":
+                start, end = w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()
+                module.release_weight()
+                _drop_file_pages(start, end, mapped)
+                released += 1
+    if released:
+        _return_freed_memory()
+    return released
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of files (a checkpoint loaded without a copy is one), from
+    /proc/self/maps; none where there is no such file."""
+    ranges = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith("/") and "x" not in fields[1]:
+                    start, end = (int(a, 16) for a in fields[0].split("-"))
+                    ranges.append((start, end))
+    except OSError:
+        pass
+    return ranges
+
+
+def _drop_file_pages(start: int, end: int, mapped: list[tuple[int, int]]) -> None:
+    """A released weight read straight from a memory-mapped checkpoint: the process's pages of it go
+    (MADV_DONTNEED; the whole pages inside it only, so no neighbour is touched). Nothing reads them again, and
+    the file still holds the same bytes. Freeing the tensor alone would not do it: the other tensors of the
+    checkpoint keep the mapping, and with it every page that packing read."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, end // page * page
+    if last <= first or not any(a <= start and end <= b for a, b in mapped):
+        return
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise(
+            ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
+    except (OSError, AttributeError):
+        pass
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap pages the released weights occupied back to the system (glibc keeps freed chunks of the
+    middle of its heap otherwise, so the resident set would not shrink). Nothing where the C library has no
+    `malloc_trim`."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def check_device(device) -> None:

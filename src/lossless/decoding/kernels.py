@@ -214,6 +214,16 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return panels.view(-1, PANEL, kp // 2, 2).permute(0, 2, 1, 3).reshape(-1, kp // 2, 2 * PANEL).contiguous()
 
 
+def unpack_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of `pack_weight`: panels -> the weight [n, k], bit for bit (a copy)."""
+    panels = packed.shape[0]
+    if packed.dtype == torch.bfloat16:  # [p, kp/2, 32]: two inputs at a time
+        weight = packed.view(panels, packed.shape[1], PANEL, 2).permute(0, 2, 1, 3).reshape(panels * PANEL, -1)
+    else:  # [p, k, 16]
+        weight = packed.transpose(1, 2).reshape(panels * PANEL, packed.shape[1])
+    return weight[:n, :k].contiguous()
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., k] times the weight [n, k] that `pack_weight` packed, transposed (+ bias [n]) -> [..., n]."""
     out = ops().linear(x.reshape(-1, x.shape[-1]).contiguous(), packed, int(n),
