@@ -14,9 +14,16 @@ is also a multiple of the floor at the run's threads. It profiles a decode step 
 (linear layers, LM head, attention, norms and activations, exact mode's fused decoder layers, the rest; exact
 mode's kernels are counted under the family they replace; its step and verify also module by module, the
 decoder layers unfused, for the split inside them) and the fused forward of the first setting (its draft groups' LM head call included).
-The last stdout line is one JSON object.
+
+Bigger models, by simulation: `--model random:qwen3-0.6b` (or `random:qwen3-1.7b`) times a backbone of that model's
+shapes (hidden size, layers, heads, kv heads, head dim, MLP width, vocabulary, tied embeddings) with random
+weights (seeded), which costs what the real model costs: a forward's time depends on the shapes only. With
+`--tokens-per-cycle T` (tokens a cycle commits, measured on the real model by `speed.py`) it also prints the
+speed-up over AR that the cycle would give at these costs: T x step / (draft pass + verify), for the chain
+(9-row verify) and for the tree with lookup (13 rows). The last stdout line is one JSON object.
 
     python benchmarks/forward_cost.py --dtype bf16 --cache 200 --attn sdpa,exact --fused 3:3,4:2
+    python benchmarks/forward_cost.py --model random:qwen3-0.6b --attn sdpa,exact --fused "" --tokens-per-cycle 3.5
 """
 
 from __future__ import annotations
@@ -156,6 +163,44 @@ def forwards(model, cache, n: int, fused: list[tuple[int, int]]) -> dict[str, tu
     return calls
 
 
+# the shapes of public checkpoints (their config.json), for `--model random:NAME`
+SHAPES = {
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+}
+
+
+def random_model(name: str, dtype: str, attn: str, k: int = 8):
+    """An Orthrus model on a random-weight Qwen3 backbone of a public checkpoint's shapes (seeded: the same
+    weights for every kernel), with an untrained head of block size k."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from lossless.decoding.model import OrthrusLM
+    from lossless.dtypes import dtype_name, torch_dtype
+
+    if name not in SHAPES:
+        raise LosslessError(f"no shapes for random:{name}; choose from {', '.join('random:' + s for s in SHAPES)}")
+    torch.manual_seed(0)
+    config = Qwen3Config(**SHAPES[name], max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+    config._attn_implementation = "sdpa"
+    backbone = Qwen3ForCausalLM(config).to(torch_dtype(dtype_name(dtype))).eval()
+    model = OrthrusLM(backbone, k=k, name=f"random:{name}")
+    model.set_attn(attn)
+    return model
+
+
+def projected(summary: dict, tokens_per_cycle: float, k: int) -> dict:
+    """Speed-up over AR of a cycle committing `tokens_per_cycle` at these forwards' costs (per kernel)."""
+    out = {}
+    for a, rows in summary.items():
+        step, draft = rows["ar 1 row"]["ms"], rows[f"draft pass k={k}"]["ms"]
+        out[a] = {"chain": round(tokens_per_cycle * step / (draft + rows["ar 9 rows"]["ms"]), 2),
+                  "tree_lookup": round(tokens_per_cycle * step / (draft + rows["tree 13 rows"]["ms"]), 2)}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -165,13 +210,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--attn", default="sdpa", help="kernels to measure side by side, comma-separated (e.g. sdpa,exact)")
+    ap.add_argument("--tokens-per-cycle", type=float, default=0.0,
+                    help="tokens a cycle commits (from speed.py): print the speed-up over AR these costs would give")
     args = ap.parse_args(argv)
     try:
         if args.threads:
             torch.set_num_threads(args.threads)
         fused = [parse_fused(f) for f in args.fused.split(",") if f]
-        kernels = list(dict.fromkeys(a for a in args.attn.split(",") if a))
-        models = {a: lossless.load_model(args.model, args.dtype, attn=a) for a in kernels}
+        attns = list(dict.fromkeys(a for a in args.attn.split(",") if a))
+        if args.model.startswith("random:"):
+            models = {a: random_model(args.model.removeprefix("random:"), args.dtype, a) for a in attns}
+        else:
+            models = {a: lossless.load_model(args.model, args.dtype, attn=a) for a in attns}
     except LosslessError as exc:
         print(f"forward_cost: error: {exc}", file=sys.stderr)
         return 2
@@ -184,7 +234,7 @@ def main(argv=None) -> int:
     for a in calls:  # warm-up (exact mode packs its weights on its first forward)
         for fn, _ in calls[a].values():
             fn()
-    weights = weight_tensors(models[kernels[-1]], calls[kernels[-1]]["ar 1 row"][0])
+    weights = weight_tensors(models[attns[-1]], calls[attns[-1]]["ar 1 row"][0])
     threads = torch.get_num_threads()
     floor_threads = sorted({t for t in (1, 2, threads) if t <= max(threads, 2)})
     floors = {t: floor_call(weights, t) for t in floor_threads}
@@ -208,10 +258,10 @@ def main(argv=None) -> int:
     summary = {a: {name: {"rows": rows, "ms": round(1000 * statistics.median(times[(a, name)]), 2),
                           "vs_step": round(statistics.median(times[(a, name)]) / step[a], 3),
                           "vs_floor": round(statistics.median(times[(a, name)]) / floor[threads], 3),
-                          f"vs_{kernels[0]}": round(statistics.median(times[(a, name)]) /
-                                                    statistics.median(times[(kernels[0], name)]), 3)}
+                          f"vs_{attns[0]}": round(statistics.median(times[(a, name)]) /
+                                                    statistics.median(times[(attns[0], name)]), 3)}
                    for name, (_, rows) in calls[a].items()} for a in calls}
-    first = next(iter(calls[kernels[0]]))
+    first = next(iter(calls[attns[0]]))
     k0, g0 = fused[0] if fused else (None, None)
     def modules(fn):
         def call():
@@ -233,18 +283,23 @@ def main(argv=None) -> int:
     print(f"floor: one read of the {len(weights)} linear weights ({mbytes:.0f} MB) "
           + ", ".join(f"{1000 * floor[t]:.1f} ms at {t} thread{'s' if t > 1 else ''} ({mbytes / 1000 / floor[t]:.1f} GB/s)"
                       for t in floors))
-    print(f"{'forward':<24}{'rows':>5}" + "".join(f"{a + ' ms':>12}{'x step':>8}{'x floor':>8}" for a in kernels)
-          + "".join(f"{a + '/' + kernels[0]:>14}" for a in kernels[1:]))
-    for name, (_, rows) in calls[kernels[0]].items():
+    print(f"{'forward':<24}{'rows':>5}" + "".join(f"{a + ' ms':>12}{'x step':>8}{'x floor':>8}" for a in attns)
+          + "".join(f"{a + '/' + attns[0]:>14}" for a in attns[1:]))
+    for name, (_, rows) in calls[attns[0]].items():
         print(f"{name:<24}{rows:>5}" + "".join(f"{summary[a][name]['ms']:>12.1f}{summary[a][name]['vs_step']:>8.2f}"
-                                               f"{summary[a][name]['vs_floor']:>8.2f}" for a in kernels)
-              + "".join(f"{summary[a][name]['vs_' + kernels[0]]:>14.2f}" for a in kernels[1:]))
+                                               f"{summary[a][name]['vs_floor']:>8.2f}" for a in attns)
+              + "".join(f"{summary[a][name]['vs_' + attns[0]]:>14.2f}" for a in attns[1:]))
     print("one forward by op family (ms, profiler self time):")
     print(f"  {'kernel':<8}{'forward':<22}" + "".join(f"{f:>20}" for f in FAMILIES))
     for a, parts in breakdown.items():
         for name, ops in parts.items():
             print(f"  {a:<8}{name:<22}" + "".join(f"{ops[f]:>20.1f}" for f in FAMILIES))
-    print(json.dumps({"forwards": summary, "breakdown": breakdown, "threads": threads,
+    speedups = projected(summary, args.tokens_per_cycle, models[attns[0]].k) if args.tokens_per_cycle else {}
+    for a, s in speedups.items():
+        print(f"{a}: at {args.tokens_per_cycle} tokens a cycle, the chain would run {s['chain']:.2f}x AR, the tree with "
+              f"lookup {s['tree_lookup']:.2f}x")
+    print(json.dumps({"model": args.model, "dtype": args.dtype, "cache": args.cache, "projected": speedups,
+                      "forwards": summary, "breakdown": breakdown, "threads": threads,
                       "floor": {"mb": round(mbytes, 1), **{f"ms_{t}_thread{'s' if t > 1 else ''}": round(1000 * floor[t], 2)
                                                          for t in floors}}}))
     return 0

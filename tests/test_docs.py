@@ -34,6 +34,7 @@ NOT_RUN = {
     "python benchmarks/": "benchmarks time the embedded model for minutes; tests/ covers what they call",
     "accelerate launch ": "multi-process launch (tests/test_audit.py and tests/test_training.py cover the ranks)",
     "lm_eval ": "the harness's own command; tests/test_harness.py runs it on a tiny model",
+    "CMAKE_ARGS=": "builds llama.cpp from source for minutes: an optional peer of the speed benchmark, never installed for tests",
 }
 
 FENCE = re.compile(r"^(\s*)(```|~~~)(.*)$")
