@@ -397,9 +397,9 @@ def diff_reference_parameters(backbone: nn.Module) -> dict[str, torch.Tensor]:
             if module is None or getattr(attn, f"{name}_diff", None) is None:
                 continue
             for pname, p in module.named_parameters():
-                # a weight exact mode keeps as panels only is unpacked (bit for bit)
-                released = pname == "weight" and getattr(module, "released", lambda: False)()
-                refs[f"layers.{i}.{name}_diff.{pname}"] = module.stock_weight() if released else p
+                # exact mode's linear layers give their weight as a tensor even where it lives as panels only
+                refs[f"layers.{i}.{name}_diff.{pname}"] = (module.stock_weight() if pname == "weight"
+                                                           and hasattr(module, "stock_weight") else p)
         adapter = getattr(backbone.model.layers[i].mlp, "mlp_diff", None)
         for pname, p in (adapter.named_parameters() if adapter is not None else ()):
             refs[f"layers.{i}.mlp_diff.{pname}"] = torch.zeros_like(p)  # stored as int8 over zero

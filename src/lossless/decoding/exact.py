@@ -31,7 +31,10 @@ This module does not know decoding; it only swaps module classes and registers t
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
+import functools
+import mmap
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -502,17 +505,14 @@ def _drop_file_pages(start: int, end: int, mapped: list[tuple[int, int]]) -> Non
     (MADV_DONTNEED; the whole pages inside it only, so no neighbour is touched). Nothing reads them again, and
     the file still holds the same bytes. Freeing the tensor alone would not do it: the other tensors of the
     checkpoint keep the mapping, and with it every page that packing read."""
-    import ctypes
-    import mmap
-
     page = mmap.PAGESIZE
     first, last = -(-start // page) * page, end // page * page
-    if last <= first or not any(a <= start and end <= b for a, b in mapped):
+    libc = _libc()
+    if libc is None or last <= first or not any(a <= start and end <= b for a, b in mapped):
         return
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise(
-            ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
-    except (OSError, AttributeError):
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
+    except AttributeError:
         pass
 
 
@@ -520,12 +520,21 @@ def _return_freed_memory() -> None:
     """Hand the heap pages the released weights occupied back to the system (glibc keeps freed chunks of the
     middle of its heap otherwise, so the resident set would not shrink). Nothing where the C library has no
     `malloc_trim`."""
-    import ctypes
-
+    libc = _libc()
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
+        if libc is not None:
+            libc.malloc_trim(0)
+    except AttributeError:
         pass
+
+
+@functools.cache
+def _libc():
+    """The C library, loaded once (finding it runs a subprocess), or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
 
 
 def check_device(device) -> None:
