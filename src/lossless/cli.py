@@ -425,6 +425,47 @@ def cmd_tasks(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import logging
+    import os
+    import signal
+
+    from .decoding.models import load_model
+    from .decoding.sampling import SamplingConfig
+
+    key = args.api_key or os.environ.get("LOSSLESS_API_KEY") or None
+    _check_cycle_args(args)
+    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # refuses nonsense early
+    if args.mode == "orthrus" and (args.tree or args.lookup):
+        check_tree(args.tree or 0, args.cycle, args.temperature == 0, args.lookup or 0)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not key:
+        print(f"lossless: warning: serving on {args.host} without --api-key: anyone who reaches this port can "
+              f"use the model", file=sys.stderr)
+    import uvicorn
+
+    from .serving import Defaults, create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    model = load_model(args.model, args.dtype, args.device, args.attn, head=args.head)
+    defaults = Defaults(mode=args.mode, k=args.k, cycle=args.cycle, groups=args.groups, tree=args.tree,
+                        lookup=args.lookup, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        seed=args.seed, max_tokens=min(args.max_tokens, model.max_positions - 1))
+    app = create_app(model, defaults, model_name=args.served_model_name, api_key=key, max_queue=args.max_queue,
+                     max_body=args.max_body)
+    logging.getLogger("lossless.serve").info(
+        "serving %s (%s %s, head %s) on http://%s:%d/v1%s", args.served_model_name or model.name, model.dtype_name,
+        model.attn, model.head_digest[:12], args.host, args.port, " (API key required)" if key else "")
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under the handlers it found:
+    # these make that a clean exit (0) instead of death by signal
+    stopped = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: stopped.append(signum))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=5)
+    logging.getLogger("lossless.serve").info("stopped%s", f" ({signal.Signals(stopped[0]).name})" if stopped else "")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lossless", description="Orthrus dual-view decoding, audited for exactness")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -457,6 +498,34 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     g.add_argument("prompt", help="the text to continue")
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and completions, streaming)")
+    _add_model_args(sv, auto=True)
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    sv.add_argument("--port", type=_number(int, "--port", at_least=0, at_most=65535), default=8000, help="TCP port")
+    sv.add_argument("--api-key", default=None,
+                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $LOSSLESS_API_KEY)")
+    sv.add_argument("--served-model-name", default=None, help="the model's id in the API (default: --model)")
+    sv.add_argument("--max-queue", type=_number(int, "--max-queue", at_least=1), default=16,
+                    help="requests that may wait; past that the server answers 429 at once")
+    sv.add_argument("--max-tokens", type=_number(int, "--max-tokens", at_least=1), default=2048,
+                    help="the most tokens a request may generate (also its default, where the context has room)")
+    sv.add_argument("--max-body", type=_number(int, "--max-body", at_least=1024), default=1 << 20,
+                    help="the largest request body in bytes (413 past it)")
+    sv.add_argument("--mode", default="orthrus", choices=MODES, help="default decoding mode of a request")
+    sv.add_argument("--k", type=_number(int, "--k", at_least=1), default=None, help="default block size (default: the head's k)")
+    _add_cycle_args(sv)
+    sv.add_argument("--tree", type=_number(int, "--tree", at_least=0), default=None, metavar="NODES",
+                    help=f"default tree of greedy requests (default: {DEFAULT_TREE} with a trained head)")
+    sv.add_argument("--lookup", type=_number(int, "--lookup", at_least=0), default=None, metavar="TOKENS",
+                    help=f"default prompt lookup of greedy requests (default: {DEFAULT_LOOKUP})")
+    sv.add_argument("--temperature", type=_number(float, "--temperature", at_least=0, at_most=2), default=0.0,
+                    help="default temperature (0 = greedy, as `lossless generate`; the OpenAI API's default is 1)")
+    sv.add_argument("--top-k", type=_number(int, "--top-k", at_least=0), default=0, help="default top-k (0 = none)")
+    sv.add_argument("--top-p", type=_number(float, "--top-p", above=0, at_most=1), default=1.0, help="default top-p")
+    sv.add_argument("--seed", type=_number(int, "--seed", at_least=0, at_most=SEED_MAX), default=None,
+                    help="seed of a request that names none (default: a fresh one per request, said in the answer)")
+    sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("distill", help="generate self-distillation responses (greedy) into a record directory")
     _add_model_args(d, "bf16", head=False, attn=False)

@@ -29,7 +29,8 @@ from lossless.evaluation.tasks import (
     resolve_tasks,
     write_tasks,
 )
-from lossless.evaluation.harness import LosslessLM, cut_at_stops
+from lossless.evaluation.harness import LosslessLM
+from lossless.text import cut_at_stops
 from lossless.stats import paired_bootstrap
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

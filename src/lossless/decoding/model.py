@@ -343,7 +343,7 @@ class OrthrusLM(nn.Module):
                  k: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  chat_template: bool = True, cycle: str = "two-pass", groups: int | None = None,
                  tree: int | None = None, lookup: int | None = None, on_text=None,
-                 on_tokens=None) -> GenerationOutput:
+                 on_tokens=None, stop=None) -> GenerationOutput:
         """Decode `prompt` (text, or token ids used as-is) with `mode` ("ar" | "orthrus"); orthrus runs the
         `cycle` "two-pass" (draft, then verify) or "fused" (one forward per cycle, `groups` draft groups);
         `tree` > 0 (two-pass, greedy) verifies a tree of that many draft candidates instead of one chain;
@@ -351,7 +351,8 @@ class OrthrusLM(nn.Module):
         None they take the fastest lossless defaults (`loop.auto_cycle`: greedy orthrus verifies an 8-node tree
         with a trained head, plus lookup of 16 tokens); 0 turns either off.
 
-        on_text(str) receives text as tokens are committed; on_tokens(list[int]) the committed ids.
+        on_text(str) receives text as tokens are committed; on_tokens(list[int]) the committed ids; stop(), asked
+        after every cycle, ends decoding early when it returns True (finish reason "stop").
         Returns a GenerationOutput(text, token_ids, stats, prompt_ids, finish_reason).
         """
         from .sampling import SamplingConfig
@@ -373,7 +374,8 @@ class OrthrusLM(nn.Module):
                 if delta:
                     on_text(delta)
 
-        state = decode(self, prompt_ids, mode, cfg, on_tokens=_on_tokens)
+        state = decode(self, prompt_ids, mode, cfg, on_tokens=_on_tokens,
+                       stop=(lambda _state: stop()) if stop is not None else None)
         text = self.tokenizer.decode(state.generated, skip_special_tokens=True) if self.tokenizer is not None else ""
         speculative = mode == "orthrus"
         config = {"dtype": self.dtype_name, "attn": self.attn, "exact": self.attn == EXACT, "mode": mode,

@@ -23,7 +23,7 @@ from ..decoding.loop import DecodeConfig, block_size, decode
 from ..errors import LosslessError
 from ..names import check_cycle, check_mode
 from ..decoding.sampling import SamplingConfig
-from ..text import StreamDecoder
+from ..text import StreamDecoder, cut_at_stops
 
 try:
     from lm_eval.api.model import TemplateLM
@@ -39,14 +39,6 @@ def _as_bool(value) -> bool:
     if isinstance(value, str):
         return value.strip().lower() in ("1", "true", "yes", "on")
     return bool(value)
-
-
-def cut_at_stops(text: str, until: list[str]) -> str:
-    """The text before the earliest stop string (lm-eval's convention)."""
-    for s in until:
-        if s:
-            text = text.split(s)[0]
-    return text
 
 
 @register_model("lossless")

@@ -1,0 +1,149 @@
+"""`lossless serve` under load: throughput and latency with 1, 2, 4 and 8 concurrent clients.
+
+Starts one `lossless serve` (the model, dtype, attn and decoding options given here; by default the embedded model
+in the fastest lossless configuration), warms it up, then for each level of concurrency C runs C client threads of
+the official `openai` client, each streaming `--requests` chat completions of `--max-tokens` tokens over held-out
+prompts (taken in turn, so every level answers the same prompts). Requests decode one at a time (FIFO), so
+throughput should stay flat while latency grows with C. Per level: total completion tokens / wall seconds, and
+per request the time to first token and the whole latency (median, p90). Prints a table and, last, one JSON line.
+
+    python benchmarks/serve_load.py --clients 1,2,4,8 --requests 3 --max-tokens 64 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, port: int, log) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "lossless", "serve", "--model", args.model, "--dtype", args.dtype, "--attn", args.attn,
+           "--port", str(port), "--max-queue", "64", *args.serve_args.split()]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"lossless serve exited with {proc.returncode}: see {log.name}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("lossless serve did not answer /health within 600 s")
+
+
+def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
+    start = time.perf_counter()
+    first, tokens, ran = None, 0, {}
+    for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=max_tokens, stream=True,
+                                                stream_options={"include_usage": True}):
+        if chunk.choices and chunk.choices[0].delta.content and first is None:
+            first = time.perf_counter() - start
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+        ran = (chunk.model_extra or {}).get("lossless") or ran
+    return {"ttft": first if first is not None else time.perf_counter() - start,
+            "latency": time.perf_counter() - start, "tokens": tokens,
+            "tokens_per_cycle": ran.get("tokens_per_cycle")}
+
+
+def run_level(client, model: str, prompts: list[str], clients: int, requests: int, max_tokens: int) -> dict:
+    results, lock = [], threading.Lock()
+    work = iter(range(clients * requests))
+
+    def worker():
+        for i in work:
+            r = one_request(client, model, prompts[i % len(prompts)], max_tokens)
+            with lock:
+                results.append(r)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+
+    def pct(values, q):
+        values = sorted(values)
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    lat, ttft = [r["latency"] for r in results], [r["ttft"] for r in results]
+    cycles = [r["tokens_per_cycle"] for r in results if r["tokens_per_cycle"]]
+    return {"clients": clients, "requests": len(results), "tokens": sum(r["tokens"] for r in results),
+            "seconds": round(wall, 3), "tokens_per_second": round(sum(r["tokens"] for r in results) / wall, 2),
+            "latency_median": round(statistics.median(lat), 3), "latency_p90": round(pct(lat, 0.9), 3),
+            "ttft_median": round(statistics.median(ttft), 3), "ttft_p90": round(pct(ttft, 0.9), 3),
+            "tokens_per_cycle": round(statistics.mean(cycles), 3) if cycles else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--attn", default="auto")
+    parser.add_argument("--serve-args", default="", help="more options of lossless serve, e.g. '--mode ar'")
+    parser.add_argument("--clients", default="1,2,4,8")
+    parser.add_argument("--requests", type=int, default=3, help="requests per client at each level")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="the server's torch threads")
+    args = parser.parse_args()
+    import openai
+
+    prompts = [json.loads(line)["prompt"] for line in (ROOT / "data" / "heldout_prompts.jsonl").read_text().splitlines()
+               if line.strip()]
+    levels = [int(c) for c in args.clients.split(",")]
+    prompts = prompts[: max(levels) * args.requests]
+    port = free_port()
+    with tempfile.NamedTemporaryFile("w", prefix="serve-load-", suffix=".log", delete=False) as log:
+        proc = start_server(args, port, log)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
+        card = client.models.list().data[0]
+        model = card.id
+        for prompt in prompts[:2]:  # warm-up: kernels, caches, the first requests' one-off costs
+            one_request(client, model, prompt, args.max_tokens)
+        rows = [run_level(client, model, prompts, c, args.requests, args.max_tokens) for c in levels]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    config = card.model_extra.get("lossless", {})
+    print(f"lossless serve, {model} ({config.get('dtype')} {config.get('attn')}), {args.serve_args or 'defaults'}; "
+          f"{args.requests} requests per client, {args.max_tokens} tokens each, {args.threads} threads, "
+          f"{platform.processor() or platform.machine()}")
+    print(f"{'clients':>7} {'requests':>8} {'tokens/s':>9} {'latency med':>11} {'p90':>7} {'ttft med':>8} {'p90':>7} "
+          f"{'tok/cycle':>9}")
+    for r in rows:
+        print(f"{r['clients']:>7} {r['requests']:>8} {r['tokens_per_second']:>9.1f} {r['latency_median']:>11.2f} "
+              f"{r['latency_p90']:>7.2f} {r['ttft_median']:>8.2f} {r['ttft_p90']:>7.2f} "
+              f"{r['tokens_per_cycle'] if r['tokens_per_cycle'] is not None else '-':>9}")
+    print(json.dumps({"benchmark": "serve_load", "model": model, "config": config, "serve_args": args.serve_args,
+                      "threads": args.threads, "max_tokens": args.max_tokens, "levels": rows}))
+
+
+if __name__ == "__main__":
+    main()
