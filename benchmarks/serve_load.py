@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -132,9 +131,12 @@ def main() -> None:
         proc.terminate()
         proc.wait(30)
     config = card.model_extra.get("lossless", {})
+    from lossless.decoding import kernels
+
+    cpu = f"{kernels.cpu_model()}, {kernels.isa()} kernels"
     print(f"lossless serve, {model} ({config.get('dtype')} {config.get('attn')}), {args.serve_args or 'defaults'}; "
           f"{args.requests} requests per client, {args.max_tokens} tokens each, {args.threads} threads, "
-          f"{platform.processor() or platform.machine()}")
+          f"{cpu}")
     print(f"{'clients':>7} {'requests':>8} {'tokens/s':>9} {'latency med':>11} {'p90':>7} {'ttft med':>8} {'p90':>7} "
           f"{'tok/cycle':>9}")
     for r in rows:
@@ -142,7 +144,7 @@ def main() -> None:
               f"{r['latency_p90']:>7.2f} {r['ttft_median']:>8.2f} {r['ttft_p90']:>7.2f} "
               f"{r['tokens_per_cycle'] if r['tokens_per_cycle'] is not None else '-':>9}")
     print(json.dumps({"benchmark": "serve_load", "model": model, "config": config, "serve_args": args.serve_args,
-                      "threads": args.threads, "max_tokens": args.max_tokens, "levels": rows}))
+                      "threads": args.threads, "max_tokens": args.max_tokens, "cpu": cpu, "levels": rows}))
 
 
 if __name__ == "__main__":

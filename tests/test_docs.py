@@ -34,6 +34,7 @@ NOT_RUN = {
     "python benchmarks/": "benchmarks time the embedded model for minutes; tests/ covers what they call",
     "accelerate launch ": "multi-process launch (tests/test_audit.py and tests/test_training.py cover the ranks)",
     "lm_eval ": "the harness's own command; tests/test_harness.py runs it on a tiny model",
+    "curl ": "talks to a running `lossless serve`; tests/serving/test_server.py sends these requests to a live server",
     "CMAKE_ARGS=": "builds llama.cpp from source for minutes: an optional peer of the speed benchmark, never installed for tests",
 }
 
@@ -189,7 +190,7 @@ PROBE_TEXT = " ".join(f"w{i}" for i in range(1, 15))  # longer than the head's k
 FLAGS = {"--json", "--no-chat-template", "--no-progress", "--at-rest", "--confirm-run-unsafe-code", "--resume", "--all"}
 OPTIONAL_NUMBER = {"--tree", "--lookup"}  # a number follows only sometimes
 OUTPUTS = ("--out", "--log", "--publish")  # written: always under the workspace
-MODEL_COMMANDS = {"generate", "audit", "train", "distill", "probe", "eval"}
+MODEL_COMMANDS = {"generate", "audit", "train", "distill", "probe", "eval", "serve"}
 
 # option -> new value, for every subcommand that has the option (a callable gets (value, workspace))
 REPLACE = {
@@ -220,6 +221,7 @@ ADD = {
     "curve": {},
     "eval": {"--limit": "1", "--no-progress": None},
     "tasks": {},
+    "serve": {},
 }
 
 
@@ -343,6 +345,39 @@ class Workspace:
         return str(here)
 
 
+def _ask_the_server(app, host, port, **_kw) -> None:
+    """Stands in for uvicorn.run: the app `lossless serve` built, served on a free port of 127.0.0.1 for as long
+    as it takes to answer /health and a short chat request."""
+    import threading
+    import time
+    import urllib.request
+
+    import uvicorn
+
+    from conftest import free_port
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive()
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{server.config.port}"
+        with urllib.request.urlopen(url + "/health", timeout=60) as resp:
+            assert resp.status == 200
+        key = next(m.kwargs["api_key"] for m in app.user_middleware if "api_key" in m.kwargs)
+        body = json.dumps({"messages": [{"role": "user", "content": TINY_WORDS}], "max_tokens": 4}).encode()
+        req = urllib.request.Request(url + "/v1/chat/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": f"Bearer {key}"} if key else {})})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert json.loads(resp.read())["usage"]["completion_tokens"] >= 1
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
 def _run(argv: list[str]) -> int:
     try:
         return main(argv)
@@ -376,6 +411,8 @@ def test_every_lossless_command_in_the_docs_runs(cmd, workspaces, monkeypatch, c
     monkeypatch.chdir(ws.root)  # `module:function` candidates import from the working directory
     monkeypatch.syspath_prepend(str(ws.root))
     argv = rewrite(cmd.argv, ws)
+    if argv[0] == "serve":  # the server, loaded and asked over HTTP in-process instead of bound to a port
+        monkeypatch.setattr("uvicorn.run", _ask_the_server)
     rc = _run(argv)
     captured = capsys.readouterr()
     for name in [m for m in sys.modules if m in {p.stem for p in ws.root.glob("*.py")}]:

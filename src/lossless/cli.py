@@ -425,6 +425,24 @@ def cmd_tasks(args) -> int:
     return 0
 
 
+def _check_bindable(host: str, port: int) -> None:
+    """Refuse, in one line, an address the server could not listen on (in use, or not this machine's)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        raise LosslessError(f"--host {host}: not an address of this machine (e.g. 127.0.0.1 or 0.0.0.0)") from None
+    family, kind, _, _, address = infos[0]
+    with socket.socket(family, kind) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            raise LosslessError(f"cannot listen on {host}:{port} ({exc.strerror}): choose another --port or --host") \
+                from None
+
+
 def cmd_serve(args) -> int:
     import logging
     import os
@@ -438,13 +456,14 @@ def cmd_serve(args) -> int:
     SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # refuses nonsense early
     if args.mode == "orthrus" and (args.tree or args.lookup):
         check_tree(args.tree or 0, args.cycle, args.temperature == 0, args.lookup or 0)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not key:
-        print(f"lossless: warning: serving on {args.host} without --api-key: anyone who reaches this port can "
-              f"use the model", file=sys.stderr)
     import uvicorn
 
     from .serving import Defaults, create_app
 
+    _check_bindable(args.host, args.port)  # before minutes of loading
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not key:
+        print(f"lossless: warning: serving on {args.host} without --api-key: anyone who reaches this port can "
+              f"use the model", file=sys.stderr)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     model = load_model(args.model, args.dtype, args.device, args.attn, head=args.head)
     defaults = Defaults(mode=args.mode, k=args.k, cycle=args.cycle, groups=args.groups, tree=args.tree,

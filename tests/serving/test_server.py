@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -255,19 +256,39 @@ def server_model(server) -> str:
     return server.get("/v1/models")[1]["data"][0]["id"]
 
 
-def test_a_client_that_goes_away_mid_stream_cancels_its_decode(server):
+def _idle(server) -> None:
+    deadline = time.monotonic() + 30
+    while server.get("/health")[1]["queue"]:
+        assert time.monotonic() < deadline, "the queue did not empty"
+        time.sleep(0.05)
+
+
+LONG_DECODE = CONTEXT - 16  # seconds of AR decoding on the tiny model
+
+
+def test_a_client_that_goes_away_cancels_its_decode(server):
+    # mid-stream: read the first chunk, hang up
     before = server.metric("lossless_generated_tokens_total")
-    body = {"prompt": PROMPT, "max_tokens": CONTEXT - 16, "stream": True, "lossless": {"mode": "ar"}}
+    body = {"prompt": PROMPT, "max_tokens": LONG_DECODE, "stream": True, "lossless": {"mode": "ar"}}
     req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     resp = urllib.request.urlopen(req, timeout=60)
     assert resp.readline().startswith(b"data: ")  # decoding has started
     resp.close()
-    deadline = time.monotonic() + 30
-    while server.get("/health")[1]["queue"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    generated = server.metric("lossless_generated_tokens_total") - before
-    assert 0 < generated < CONTEXT - 16  # stopped early, not decoded to the end
+    _idle(server)
+    assert 0 < server.metric("lossless_generated_tokens_total") - before < LONG_DECODE  # stopped early
+    # waiting for a whole answer: send the request, hang up before it is done
+    before = server.metric("lossless_generated_tokens_total")
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        data = json.dumps({**body, "stream": False}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        deadline = time.monotonic() + 30
+        while server.get("/health")[1]["queue"] == 0:  # until it decodes
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    _idle(server)
+    assert server.metric("lossless_generated_tokens_total") - before < LONG_DECODE  # cancelled queued or decoding
     # the next request starts and completes
     assert server.client().completions.create(model=server_model(server), prompt=PROMPT,
                                               max_tokens=4).usage.completion_tokens == 4
@@ -322,3 +343,17 @@ def test_the_api_key_guards_every_route_but_health_and_a_full_queue_answers_429(
         print(f"\n{outcomes.count(32)} completed, {outcomes.count(429)} refused (429); latency s: "
               f"median {sorted(latencies)[len(latencies) // 2]:.3f}, max {max(latencies):.3f}")
         assert s.get("/health")[1]["queue"] == 0
+
+
+def test_an_address_it_cannot_listen_on_is_a_one_line_error_before_the_model_loads(model_dir, capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for argv in (["--port", str(port)], ["--host", "no-such-host.invalid"]):
+            rc = main(["serve", "--model", str(model_dir / "missing"), *argv])
+            err = capsys.readouterr().err
+            assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+            assert "--port" in err or "--host" in err
