@@ -345,9 +345,10 @@ class Workspace:
         return str(here)
 
 
-def _ask_the_server(app, host, port, **_kw) -> None:
-    """Stands in for uvicorn.run: the app `lossless serve` built, served on a free port of 127.0.0.1 for as long
-    as it takes to answer /health and a short chat request."""
+def _ask_the_server(self, sockets=None) -> None:
+    """Stands in for uvicorn.Server.run: the app `lossless serve` built, served on a free port of 127.0.0.1 for as
+    long as it takes to answer /health and a short chat request."""
+    import asyncio
     import threading
     import time
     import urllib.request
@@ -356,8 +357,9 @@ def _ask_the_server(app, host, port, **_kw) -> None:
 
     from conftest import free_port
 
+    app = self.config.app
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run)
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()))
     thread.start()
     try:
         while not server.started:
@@ -411,8 +413,9 @@ def test_every_lossless_command_in_the_docs_runs(cmd, workspaces, monkeypatch, c
     monkeypatch.chdir(ws.root)  # `module:function` candidates import from the working directory
     monkeypatch.syspath_prepend(str(ws.root))
     argv = rewrite(cmd.argv, ws)
-    if argv[0] == "serve":  # the server, loaded and asked over HTTP in-process instead of bound to a port
-        monkeypatch.setattr("uvicorn.run", _ask_the_server)
+    if argv[0] == "serve":  # the server, loaded and asked over HTTP in-process, on a free port instead of the doc's
+        monkeypatch.setattr("lossless.cli._check_bindable", lambda host, port: None)
+        monkeypatch.setattr("uvicorn.Server.run", _ask_the_server)
     rc = _run(argv)
     captured = capsys.readouterr()
     for name in [m for m in sys.modules if m in {p.stem for p in ws.root.glob("*.py")}]:

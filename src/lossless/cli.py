@@ -466,6 +466,8 @@ def cmd_serve(args) -> int:
               f"use the model", file=sys.stderr)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     model = load_model(args.model, args.dtype, args.device, args.attn, head=args.head)
+    if args.k is not None and args.k > model.k:
+        raise LosslessError(f"--k must be at most the head's k ({model.k}), got {args.k}")
     defaults = Defaults(mode=args.mode, k=args.k, cycle=args.cycle, groups=args.groups, tree=args.tree,
                         lookup=args.lookup, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed, max_tokens=min(args.max_tokens, model.max_positions - 1))
@@ -474,13 +476,24 @@ def cmd_serve(args) -> int:
     logging.getLogger("lossless.serve").info(
         "serving %s (%s %s, head %s) on http://%s:%d/v1%s", args.served_model_name or model.name, model.dtype_name,
         model.attn, model.head_digest[:12], args.host, args.port, " (API key required)" if key else "")
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under the handlers it found:
-    # these make that a clean exit (0) instead of death by signal
-    stopped = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    engine = app.state.engine
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: cancel the decodes now, so every stream ends in time
+            engine.stop()
+            super().handle_exit(sig, frame)
+
+    # uvicorn shuts down gracefully, then raises the signal again under the handlers it found: these make that a
+    # clean exit (0) instead of death by signal; the caller's handlers come back afterwards
+    stopped, previous = [], {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
         signal.signal(sig, lambda signum, _frame: stopped.append(signum))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5)
+    try:
+        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                              timeout_graceful_shutdown=5)).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     logging.getLogger("lossless.serve").info("stopped%s", f" ({signal.Signals(stopped[0]).name})" if stopped else "")
     return 0
 

@@ -21,10 +21,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import LosslessError
 from ..text import encode_messages, encode_prompt
-from .engine import Engine, Job, QueueFull, Result
+from .engine import Engine, Job, QueueFull, Result, ShuttingDown
 from .protocol import ApiError, ChatRequest, CompletionRequest, LosslessOptions, parse
 
 log = logging.getLogger("lossless.serve")
@@ -196,11 +197,13 @@ def create_app(model, defaults: Defaults | None = None, *, model_name: str | Non
             engine.submit(job)
         except QueueFull as exc:
             raise ApiError(429, f"the server is busy ({exc}): retry later", code="queue_full") from None
+        except ShuttingDown as exc:
+            raise job_error(exc) from None
         shape = ChunkShape(chat, name, settings)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(job, shape, include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return JobStream(job, stream(job, shape, include_usage), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         result = await until_done_or_gone(request, job)
         if result is None:  # the client went away; nobody reads this
             return Response(status_code=499)
@@ -216,11 +219,14 @@ async def read_body(request: Request, cap: int) -> bytes:
     if declared and declared.isdigit() and int(declared) > cap:
         raise ApiError(413, f"the request body is {declared} bytes; this server takes at most {cap}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > cap:
-            raise ApiError(413, f"the request body is over {cap} bytes, the most this server takes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise ApiError(413, f"the request body is over {cap} bytes, the most this server takes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone before the body arrived: nobody reads the answer
+        raise ApiError(499, "the client closed the connection before sending the whole request") from None
     return b"".join(chunks)
 
 
@@ -298,7 +304,7 @@ async def final(job: Job) -> Result:
 def job_error(exc: Exception) -> ApiError:
     if isinstance(exc, LosslessError):
         return ApiError(400, str(exc))
-    if isinstance(exc, QueueFull):
+    if isinstance(exc, ShuttingDown):
         return ApiError(503, str(exc), code="shutting_down", type="server_error")
     return ApiError(500, "internal error: see the server's log")
 
@@ -355,6 +361,20 @@ def fingerprint(config: dict) -> str:
 
 def sse(body) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class JobStream(StreamingResponse):
+    """A stream that cancels its job however the response ends (a client gone mid-send included)."""
+
+    def __init__(self, job: Job, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
 
 
 async def stream(job: Job, shape: ChunkShape, include_usage: bool):

@@ -26,6 +26,10 @@ class QueueFull(Exception):
     """Every place in the queue is taken."""
 
 
+class ShuttingDown(Exception):
+    """The server is stopping: no new work, and work in progress is cancelled."""
+
+
 @dataclass
 class Result:
     text: str  # the answer: cut at the first stop string, exactly what a stream sent
@@ -37,7 +41,7 @@ class Result:
     config: dict
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     prompt_ids: list[int]
     settings: dict  # keyword arguments of OrthrusLM.generate
@@ -47,6 +51,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    on_cancel: object = None  # set by the engine: frees the job's place in the queue
 
     def emit(self, kind: str, value) -> None:
         try:
@@ -55,71 +60,93 @@ class Job:
             pass
 
     def cancel(self) -> None:
-        self.cancelled.set()
+        if not self.cancelled.is_set():
+            self.cancelled.set()
+            if self.on_cancel is not None:
+                self.on_cancel(self)
 
 
 class Engine:
-    """Decodes jobs one at a time, in the order they came, on one thread that owns `model`."""
+    """Decodes jobs one at a time, in the order they came, on one thread that owns `model`. A place in the queue
+    is held by a job that waits and whose client is still there: a cancelled job gives its place back at once."""
 
     def __init__(self, model, max_queue: int = 16, metrics=None):
-        self.model, self.metrics = model, metrics
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
-        self._closing = threading.Event()
+        self.model, self.metrics, self.max_queue = model, metrics, max_queue
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._waiting: set[Job] = set()
+        self._closing = False
         self.current: Job | None = None
         self._thread = threading.Thread(target=self._run, name="lossless-decode", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        if self._closing.is_set():
-            raise QueueFull("the server is shutting down")
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull(f"all {self._queue.maxsize} places in the queue are taken") from None
-        self._gauge()
+        with self._lock:
+            if self._closing:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"all {self.max_queue} places in the queue are taken")
+            job.on_cancel = self._forget
+            self._waiting.add(job)
+            self._gauge()
+        self._queue.put(job)
+
+    def _forget(self, job: Job) -> None:
+        with self._lock:
+            self._waiting.discard(job)
+            self._gauge()
 
     def depth(self) -> int:
-        return self._queue.qsize() + (self.current is not None)
+        with self._lock:
+            return self._depth()
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Cancel the running job and everything queued; stop the thread."""
-        self._closing.set()
-        if self.current is not None:
-            self.current.cancel()
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.cancel()
-                job.emit("error", QueueFull("the server is shutting down"))
+    def _depth(self) -> int:
+        return len(self._waiting) + (self.current is not None)
+
+    def stop(self) -> None:
+        """Take no more work; cancel what runs and what waits (each gets ShuttingDown). Returns at once."""
+        with self._lock:
+            self._closing = True
+            doomed = [*self._waiting, *([self.current] if self.current is not None else [])]
+        for job in doomed:
+            job.cancel()
+            job.emit("error", ShuttingDown("the server is shutting down"))
         self._queue.put(None)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """stop(), then wait for the decoding thread (it ends within a cycle)."""
+        self.stop()
         self._thread.join(timeout)
 
-    def _gauge(self) -> None:
+    def _gauge(self) -> None:  # under the lock
         if self.metrics is not None:
-            self.metrics.queue_depth.set(self.depth())
+            self.metrics.queue_depth.set(self._depth())
 
     def _run(self) -> None:
-        while not self._closing.is_set():
+        while True:
             job = self._queue.get()
             if job is None:
                 break
-            if job.cancelled.is_set():
+            with self._lock:
+                self._waiting.discard(job)
+                if self._closing or job.cancelled.is_set():
+                    self._gauge()
+                    continue
+                self.current = job
                 self._gauge()
-                continue
-            self.current = job
-            self._gauge()
             try:
-                job.emit("done", self._decode(job))
+                result = self._decode(job)
             except Exception as exc:  # a request's failure is its own; the next one decodes
                 if not isinstance(exc, LosslessError):
                     log.exception("decoding failed")
-                job.emit("error", exc)
-            finally:
+                result = exc
+            with self._lock:
                 self.current = None
                 self._gauge()
+            if isinstance(result, Exception):
+                job.emit("error", result)
+            elif not (self._closing and job.cancelled.is_set()):  # stop() has told it already
+                job.emit("done", result)
 
     def _decode(self, job: Job) -> Result:
         cutter = StopCutter(job.stops)
@@ -139,11 +166,13 @@ class Engine:
 
         out = self.model.generate(job.prompt_ids, on_text=on_text, on_tokens=on_tokens,
                                   stop=lambda: cutter.stopped or job.cancelled.is_set(), **job.settings)
-        if not cutter.stopped and out.text.startswith(cutter.text):
-            # the stream holds back a trailing incomplete character; the answer is the decoded text
-            piece = cutter.push(out.text[len(cutter.text):])
-            if piece:
-                job.emit("text", piece)
+        if not cutter.stopped:
+            if out.text.startswith(cutter.text):  # the stream held back a trailing incomplete character
+                piece = cutter.push(out.text[len(cutter.text):])
+                if piece:
+                    job.emit("text", piece)
+            else:  # a tokenizer whose pieces do not add up to its whole decode: the answer is what was streamed
+                log.warning("the streamed text is not a prefix of the decoded text; answering with the streamed text")
         piece = cutter.flush()
         if piece:
             job.emit("text", piece)
@@ -151,7 +180,8 @@ class Engine:
                       else out.finish_reason)
         self._observe(job, out, last)
         return Result(text=cutter.text, token_ids=out.token_ids, prompt_tokens=len(out.prompt_ids),
-                      finish_reason="length" if out.finish_reason == "length" else "stop", stopped_by=stopped_by,
+                      finish_reason="length" if out.finish_reason == "length" and not cutter.stopped else "stop",
+                      stopped_by=stopped_by,
                       stats=out.stats, config=out.config)
 
     def _observe(self, job: Job, out, last) -> None:

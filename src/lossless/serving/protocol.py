@@ -12,9 +12,10 @@ import json
 import logging
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 SEED_MAX = 2**63 - 1
+Number = Union[StrictInt, StrictFloat]  # JSON numbers only: true or "0.5" are not temperatures
 MAX_STOPS = 4  # as the OpenAI API
 
 
@@ -85,17 +86,17 @@ class _Request(BaseModel):
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: Number | None = Field(None, ge=0, le=2)
+    top_p: Number | None = Field(None, gt=0, le=1)
     seed: StrictInt | None = Field(None, ge=0, le=SEED_MAX)
     stop: Union[StrictStr, list[StrictStr], None] = None
-    n: StrictInt = Field(1, ge=1)
-    stream: StrictBool = False
+    n: StrictInt | None = Field(None, ge=1)  # null, as some clients send, is the default: 1
+    stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
     # in the API, not implemented here: a request that asks for them is refused (see `unsupported`)
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: Number | None = None
+    presence_penalty: Number | None = None
     logit_bias: dict | None = None
     logprobs: Union[StrictBool, StrictInt, None] = None
     lossless: LosslessOptions | None = None
@@ -112,7 +113,7 @@ class _Request(BaseModel):
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for every field set to something this server does not do."""
         out = []
-        if self.n != 1:
+        if self.n not in (None, 1):
             out.append(("n", "one choice per request (n=1)"))
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name):
@@ -154,7 +155,7 @@ class ChatRequest(_Request):
 
 class CompletionRequest(_Request):
     prompt: Union[StrictStr, list[StrictInt]]
-    echo: StrictBool = False
+    echo: StrictBool | None = None
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
 
@@ -175,8 +176,16 @@ def parse(kind: type[_Request], body: bytes) -> _Request:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON ({exc.__class__.__name__}: {exc})") from None
+    except (ValueError, RecursionError) as exc:  # a number of thousands of digits, arrays nested thousands deep
+        raise ApiError(400, f"the request body is JSON this server does not read ({str(exc)[:80]})") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    try:  # "\ud800" escapes decode to lone surrogates, which no tokenizer or response can take
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the request holds a string that is not valid Unicode (a lone surrogate escape)") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
     try:
         request = kind.model_validate(data)
     except ValidationError as exc:
