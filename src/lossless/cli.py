@@ -367,7 +367,11 @@ def cmd_report(args) -> int:
 
         for seg in roll_all(args.run_dir):
             print(f"rolled unrolled records into {seg}")
-    summary = write_report(args.run_dir, out, at_rest=args.at_rest)
+    summary = write_report(args.run_dir, out, at_rest=args.at_rest, reference=args.reference)
+    if summary.get("corrupt_lines"):
+        bad = summary["corrupt_lines"]
+        print(f"lossless: warning: skipped {len(bad)} record line(s) that are not records ({', '.join(bad[:3])}"
+              f"{' ...' if len(bad) > 3 else ''}); the report says so", file=sys.stderr)
     print(f"report: {out / 'report.md'}")
     print(f"page: {out / 'report.html'} (open it in a browser: the trajectory viewer of every pair)")
     for c in summary["configs"]:
@@ -376,6 +380,12 @@ def cmd_report(args) -> int:
         tps = "" if c["mean_tokens_per_step"] is None else f", {c['mean_tokens_per_step']:.2f} tokens/step"
         print(f"  {label}: exact match {100 * c['exact_match_rate']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] "
               f"(n={c['n']}){tps}")
+    against = summary.get("reference_comparison")
+    if against:
+        print(f"against {against['reference']['label']}:")
+        for c in against["configs"]:
+            ar = "the reference" if c["is_reference"] else f"{100 * c['ar']['rate']:.1f}%"
+            print(f"  {c['label']}: AR {ar}, candidate {100 * c['candidate']['rate']:.1f}% (n={c['n']})")
     return 0
 
 
@@ -663,6 +673,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="write report.md, plots and summary.json for an audit run")
     r.add_argument("run_dir", help="the --out directory of `lossless audit`")
     r.add_argument("--out", default=None, help="where to write (default: the run directory)")
+    r.add_argument("--reference", default=None, metavar="DTYPE/KERNEL",
+                   help="the AR trajectories every configuration is also compared with, e.g. fp32/sdpa or bf16/exact "
+                        "(default: fp32 AR where the run has it)")
     r.add_argument("--at-rest", action="store_true",
                    help="first roll every writer's plain records into compressed segments (safe while an "
                         "audit runs), then report from the segments only: what a checkout of them holds")

@@ -118,7 +118,7 @@ def summarise(out: str | Path) -> dict:
 
 def plot_paired(summary: dict, path: Path) -> Path | None:
     """AR and Orthrus scores per task and dtype, and the paired difference with its 95% interval."""
-    from ..plots import new_figure
+    from ..plots import new_figure, save_figure
 
     rows = summary["paired"]
     if not rows:
@@ -142,7 +142,7 @@ def plot_paired(summary: dict, path: Path) -> Path | None:
     extra = diff_ax.get_legend_handles_labels()
     ax.legend(handles[0] + extra[0], handles[1] + extra[1], loc="upper left", fontsize=8)
     ax.set_title("Task scores: AR vs Orthrus (paired bootstrap interval of the difference)")
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     return path
 
 

@@ -97,14 +97,20 @@ def record_files(run_dir: str | Path, at_rest: bool = False) -> list[Path]:
     return legacy + current
 
 
-def read_records(run_dir: str | Path, at_rest: bool = False) -> list[dict]:
+def read_records(run_dir: str | Path, at_rest: bool = False, corrupt: list | None = None) -> list[dict]:
     """All records of a run, deduplicated by key (first seen wins), in file order (`at_rest`: see
-    `record_files`)."""
+    `record_files`). A complete line that is not a record (not JSON, or no key) is skipped; with `corrupt`, one
+    entry (file name, line number) is appended per such line, so the caller can say so. A torn last line (a
+    writer killed mid-line) is not corrupt: it is the normal end of a killed run's file."""
     out, seen = [], set()
     for path in record_files(run_dir, at_rest):
-        for line in _lines(path):
+        for lineno, line in enumerate(_lines(path), 1):
             rec = _parse(line)
-            if rec is not None and rec["key"] not in seen:
+            if rec is None:
+                if corrupt is not None and line.strip():
+                    corrupt.append((path.name, lineno))
+                continue
+            if rec["key"] not in seen:
                 seen.add(rec["key"])
                 out.append(rec)
     return out

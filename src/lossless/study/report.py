@@ -18,8 +18,9 @@ from pathlib import Path
 
 from ..errors import LosslessError
 from ..jsonio import atomic_write
-from ..plots import new_figure
+from ..plots import new_figure, save_figure
 from ..stats import logistic_regression, wilson_interval
+from . import reference as refcmp
 from .records import read_records, record_files
 
 # The replication's figures (ORTHRUS.md §2). Coefficients are paired with the two models in the order
@@ -40,13 +41,15 @@ PUBLISHED = {
 
 def load_run(run_dir, at_rest: bool = False) -> tuple[list[dict], dict]:
     """All records of a run (every writer's segments and plain files merged, or with `at_rest` only the
-    compressed segments a checkout holds; the first record seen for a key wins; torn lines are skipped),
+    compressed segments a checkout holds; the first record seen for a key wins; torn lines are skipped; complete
+    lines that are not records are skipped and named in run_info["corrupt_lines"] as "file:line"),
     sorted by key so the summary depends on the records alone, and the run's `run.json` ({} if absent, as
     in old runs; a torn or non-object one raises LosslessError)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise LosslessError(f"run directory {run_dir} does not exist: pass the --out directory of `lossless audit`")
-    records = sorted(read_records(run_dir, at_rest), key=lambda r: str(r["key"]))
+    corrupt: list = []
+    records = sorted(read_records(run_dir, at_rest, corrupt), key=lambda r: str(r["key"]))
     run_info: dict = {}
     info_path = run_dir / "run.json"
     if info_path.is_file():
@@ -57,6 +60,8 @@ def load_run(run_dir, at_rest: bool = False) -> tuple[list[dict], dict]:
             raise LosslessError(f"run.json in {run_dir} is not valid JSON: {fix}") from None
         if not isinstance(run_info, dict):
             raise LosslessError(f"run.json in {run_dir} is not a JSON object: {fix}")
+    if corrupt:  # said in the summary, the report and (by the CLI) on stderr; never silently dropped
+        run_info = {**run_info, "corrupt_lines": [f"{name}:{line}" for name, line in corrupt]}
     return records, run_info
 
 
@@ -164,8 +169,9 @@ def _finite(obj):
     return obj
 
 
-def summarise(records: list[dict], run_info: dict) -> dict:
-    """The summary.json object (see `write_report`)."""
+def summarise(records: list[dict], run_info: dict, reference: str | None = None) -> dict:
+    """The summary.json object (see `write_report`). `reference`: "dtype/kernel" of the AR trajectories every
+    configuration is also compared with (default: fp32 AR where the run has it; see `reference.choose`)."""
     groups = _group(records)
     seconds = _decode_seconds(records)
     configs, domains, regression, ppl = [], {}, {}, {}
@@ -201,8 +207,12 @@ def summarise(records: list[dict], run_info: dict) -> dict:
     machines: dict[str, int] = defaultdict(int)
     for r in records:
         machines[str(r.get("machine") or "not recorded")] += 1
+    chosen = refcmp.choose(records, reference)
+    against = refcmp.compare(records, chosen, _config, lambda key: config_label(*key)) if chosen else None
+    extra = {"corrupt_lines": run_info["corrupt_lines"]} if run_info.get("corrupt_lines") else {}
     return _finite({"n_records": len(records), "planned": planned if isinstance(planned, int) else None,
-                    "configs": configs, "domains": domains, "regression": regression, "ppl": ppl,
+                    **extra, "configs": configs, "reference_comparison": against,
+                    "domains": domains, "regression": regression, "ppl": ppl,
                     "machines": dict(sorted(machines.items())),
                     "heads": sorted({str(r["head"]) for r in records if r.get("head")}),
                     "replication": PUBLISHED, "plots": []})
@@ -348,7 +358,13 @@ def _candidates_section(summary: dict) -> list[str]:
 
 
 def _markdown(summary: dict, run_dir: Path, run_info: dict, plots: list[tuple[str, str]]) -> str:
-    L = ["# Trajectory audit report", "", f"Run: `{run_dir}`  ", _progress(summary), ""]
+    L = ["# Trajectory audit report", "", f"Run: `{run_dir}`  ", _progress(summary) + "  ",
+         f"Report `{summary.get('report_id', '?')}` (report.md, summary.json and report.html of one report carry "
+         "the same id).", ""]
+    if summary.get("corrupt_lines"):
+        bad = summary["corrupt_lines"]
+        L += [f"**{len(bad)} record line(s) could not be read and were skipped**: "
+              + ", ".join(f"`{b}`" for b in bad[:10]) + (" ..." if len(bad) > 10 else "") + ".", ""]
     L += _run_lines(run_info)
     L += ["Exact match = identical generated token-id lists (length included), AR greedy reference vs "
           "the candidate decoder (Orthrus unless named). Intervals are Wilson 95%. First divergence and Levenshtein are in tokens; first "
@@ -362,6 +378,7 @@ def _markdown(summary: dict, run_dir: Path, run_info: dict, plots: list[tuple[st
                   _num(c["mean_levenshtein"], ".1f"), _num(c.get("mean_seconds_per_pair"), ".1f")]
                  for c in summary["configs"]])
     L += _candidates_section(summary)
+    L += refcmp.markdown(summary.get("reference_comparison"), _table)
     L += ["## Per domain", ""]
     for label, rows in summary["domains"].items():
         L += [f"### {label}", ""]
@@ -419,7 +436,7 @@ def _plot_configs(summary, groups, out: Path):
     ax.set_ylim(-0.02, 1.05)
     ax.set_ylabel("exact-match rate")
     ax.legend(loc="lower right", fontsize=8)
-    fig.savefig(out / "config_match_rate.png", dpi=110)
+    save_figure(fig, out / "config_match_rate.png")
     return ("config_match_rate.png",
             "Exact-match rate per configuration with Wilson 95% intervals; dashed: published BF16 45%.")
 
@@ -453,7 +470,7 @@ def _plot_ppl_bins(summary, groups, out: Path, max_bins: int = 5):
     ax.set_ylabel("exact-match rate")
     ax.set_ylim(-0.02, 1.05)
     ax.legend(fontsize=8)
-    fig.savefig(out / "match_vs_log_ppl.png", dpi=110)
+    save_figure(fig, out / "match_vs_log_ppl.png")
     return ("match_vs_log_ppl.png",
             f"Exact-match rate vs the reference's log response perplexity, up to {max_bins} quantile bins "
             "per config, Wilson 95% bars.")
@@ -491,7 +508,7 @@ def _plot_margins(summary, groups, out: Path):
     ax.set_xlabel("reference top-1 minus top-2 logit at the divergence step")
     ax.set_ylabel("diverging pairs")
     ax.legend(fontsize=8)
-    fig.savefig(out / "ref_margin_at_divergence.png", dpi=110)
+    save_figure(fig, out / "ref_margin_at_divergence.png")
     return ("ref_margin_at_divergence.png",
             f"Reference logit margin at the first divergence (small = near-tie); {scale}.")
 
@@ -515,7 +532,7 @@ def _plot_first_divergence(summary, groups, out: Path):
     ax.set_xlabel("first divergence position (generated token index)")
     ax.set_ylabel("diverging pairs")
     ax.legend(fontsize=8)
-    fig.savefig(out / "first_divergence.png", dpi=110)
+    save_figure(fig, out / "first_divergence.png")
     return "first_divergence.png", "Where diverging trajectories first differ (token index in the response)."
 
 
@@ -539,7 +556,7 @@ def _plot_domains(summary, groups, out: Path):
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("exact-match rate")
     ax.legend(fontsize=8, ncols=min(4, len(labels)), loc="lower center", bbox_to_anchor=(0.5, 1.0))
-    fig.savefig(out / "domain_match_rate.png", dpi=110)
+    save_figure(fig, out / "domain_match_rate.png")
     return "domain_match_rate.png", "Exact-match rate per domain and configuration, Wilson 95% bars."
 
 
@@ -566,17 +583,23 @@ def _plot_candidates(summary, groups, out: Path):
     ax.set_ylim(-0.02, 1.05)
     ax.set_ylabel("exact-match rate")
     ax.legend(fontsize=8, loc="lower left")
-    fig.savefig(out / "candidate_match_rate.png", dpi=110)
+    save_figure(fig, out / "candidate_match_rate.png")
     return ("candidate_match_rate.png",
             "Exact match with AR greedy by candidate decoder and configuration, Wilson 95% intervals.")
 
 
-_PLOTS = (_plot_configs, _plot_candidates, _plot_ppl_bins, _plot_margins, _plot_first_divergence, _plot_domains)
+def _plot_reference(summary, groups, out: Path):
+    return refcmp.plot(summary.get("reference_comparison"), out)
+
+
+_PLOTS = (_plot_configs, _plot_candidates, _plot_reference, _plot_ppl_bins, _plot_margins, _plot_first_divergence,
+          _plot_domains)
 
 
 # --- entry point ---------------------------------------------------------------------------------
 
-def write_report(run_dir, out_dir=None, at_rest: bool = False, html: bool = True, tokenizer="from-run") -> dict:
+def write_report(run_dir, out_dir=None, at_rest: bool = False, html: bool = True, tokenizer="from-run",
+                 reference: str | None = None) -> dict:
     """Write report.md, the PNG plots, summary.json and (`html`) report.html for the run in `run_dir` (into
     `out_dir`, default `run_dir`) and return the summary. `tokenizer`: what report.html decodes tokens with
     (default: the run's model's; None: ids only). Works on partial runs; `at_rest` reports only the committed
@@ -589,7 +612,11 @@ def write_report(run_dir, out_dir=None, at_rest: bool = False, html: bool = True
     "compute_hours"}], "domains": {label: [{"domain", "n", "exact_match_rate", "ci95",
     "mean_first_divergence", "mean_tokens_per_step"}]}, "regression": {label: logistic_regression(...)},
     "ppl": {label: {"matching_mean_ppl", "diverging_mean_ppl", "n_matching", "n_diverging"}},
-    "replication": PUBLISHED, "plots": [file names written]}.
+    "reference_comparison": null or {"reference": {"dtype", "attn", "label", "n_prompts"}, "configs": [{"label",
+    "dtype", "attn", "reference_attn", "candidate_name", "n", "is_reference", "ar", "candidate", "domains"}]}
+    (`ar`/`candidate`: {"n_equal", "rate", "ci95", "mean_common_prefix"}; see `reference.py`),
+    "corrupt_lines" (only when some were skipped: ["file:line"]), "replication": PUBLISHED, "plots": [file
+    names written]}.
 
     A configuration's `compute_hours` (and `mean_seconds_per_pair`, the same over its pairs) is the decode
     time its records were the first to spend, so the configurations' hours add up to the run's without
@@ -604,7 +631,8 @@ def write_report(run_dir, out_dir=None, at_rest: bool = False, html: bool = True
         raise LosslessError(f"no records in {run_dir}: expected records*.jsonl written by `lossless audit`")
     out = Path(out_dir) if out_dir is not None else run_dir
     out.mkdir(parents=True, exist_ok=True)
-    summary = summarise(records, run_info)
+    summary = summarise(records, run_info, reference)
+    summary["report_id"] = report_id(records, summary)
     groups = _group(records)
     plots = [p for p in (draw(summary, groups, out) for draw in _PLOTS) if p is not None]
     summary["plots"] = [name for name, _ in plots]
@@ -616,6 +644,22 @@ def write_report(run_dir, out_dir=None, at_rest: bool = False, html: bool = True
     if html:
         write_page(out, records, run_info, markdown, plots, tokenizer)
     return summary
+
+
+def report_id(records: list[dict], summary: dict) -> str:
+    """The id report.md, summary.json and report.html of one report share: a digest of the records, the reference
+    they were compared with and the package version, so a reader can tell the files of one report from a set
+    that mixes two (a report killed mid-way leaves the previous one's page beside the new markdown)."""
+    import hashlib
+
+    from .. import __version__
+
+    h = hashlib.sha256(__version__.encode())
+    ref = summary.get("reference_comparison")
+    h.update(json.dumps(ref and ref["reference"], sort_keys=True).encode())
+    for r in records:
+        h.update(json.dumps(r, sort_keys=True, ensure_ascii=False).encode())
+    return h.hexdigest()[:16]
 
 
 FROM_RUN = "from-run"  # write_report's default tokenizer: the run's own model's, when it can be loaded here

@@ -70,7 +70,7 @@ def fit_trend(rows: list[dict]) -> dict | None:
 
 def write_curve(logs: list[str | Path], out: str | Path, labels: list[str] | None = None) -> dict:
     """Table, fit and plot of the logs into `out`; returns {label: {"evaluations", "trend"}}."""
-    from ..plots import new_figure
+    from ..plots import new_figure, save_figure
 
     if not logs:
         raise LosslessError("no training logs given")
@@ -101,7 +101,7 @@ def write_curve(logs: list[str | Path], out: str | Path, labels: list[str] | Non
     ax.set_ylabel("held-out tokens per cycle (two-pass)")
     ax.set_title("Draft head learning curve")
     ax.legend(fontsize=8)
-    fig.savefig(out / "learning_curve.png", dpi=110)
+    save_figure(fig, out / "learning_curve.png")
     atomic_write(out / "learning_curve.md", render(curves))
     return curves
 
