@@ -135,3 +135,30 @@ def test_a_plot_that_fails_mid_write_leaves_the_previous_file(run, tmp_path, mon
         write_report(run, out, html=False)
     assert (out / "config_match_rate.png").read_bytes() == before
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_exact_rows_of_different_kernel_builds_are_named_not_pooled(tmp_path):
+    records = []
+    for i in range(6):
+        records.append(_rec(i, "fp32", "sdpa", BASE, BASE))
+        new = _rec(i, "bf16", "exact", BASE, BASE)
+        if i >= 2:  # prompts 2-5 decoded again by today's kernels; prompts 0-1 only by earlier ones
+            new = {**new, "kernels": "1a2b3c4d5e6f/avx512bf16", "reference_kernels": "1a2b3c4d5e6f/avx2"}
+        records.append(new)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = write_report(run, tmp_path / "out", tokenizer=None)
+    labels = {c["label"]: c["n"] for c in summary["configs"]}
+    # the variant (avx512bf16 or avx2) changes no bit, so it does not split; the source digest does
+    assert labels == {"bf16/exact (earlier kernels)": 2, "bf16/exact (kernels 1a2b3c4d)": 4, "fp32/sdpa": 6}
+    assert summary["kernel_versions"] == ["bf16/exact holds records of 2 kernel builds (1a2b3c4d, earlier kernels), "
+                                          "reported separately"]
+    assert "Not pooled: bf16/exact holds records of 2 kernel builds" in (tmp_path / "out" / "report.md").read_text()
+    assert "bf16/exact (kernels 1a2b3c4d)" in (tmp_path / "out" / "report.html").read_text()
+    # one build only: the names stay as they were
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records if r["prompt_id"][-1] in "2345"))
+    assert {c["label"] for c in write_report(one, tmp_path / "out1", html=False)["configs"]} == {"bf16/exact",
+                                                                                                   "fp32/sdpa"}

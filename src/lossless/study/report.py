@@ -17,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..errors import LosslessError
+from ..names import EXACT as EXACT_KERNEL
 from ..jsonio import atomic_write
 from ..plots import new_figure, save_figure
 from ..stats import logistic_regression, wilson_interval
@@ -62,7 +63,57 @@ def load_run(run_dir, at_rest: bool = False) -> tuple[list[dict], dict]:
             raise LosslessError(f"run.json in {run_dir} is not a JSON object: {fix}")
     if corrupt:  # said in the summary, the report and (by the CLI) on stderr; never silently dropped
         run_info = {**run_info, "corrupt_lines": [f"{name}:{line}" for name, line in corrupt]}
+    records, split = name_kernel_versions(records)
+    if split:
+        run_info = {**run_info, "kernel_versions": split}
     return records, run_info
+
+
+EARLIER = "earlier kernels"  # exact-mode records from before records named their kernels
+
+
+def _build(value) -> str:
+    """The kernel source digest of a record's `kernels` field ("<digest>/<variant>": the variant never changes a
+    bit, so it does not split), or EARLIER."""
+    return str(value).split("/")[0][:8] if value else EARLIER
+
+
+def name_kernel_versions(records: list[dict]) -> tuple[list[dict], list[str]]:
+    """Never pool exact-mode rows of different kernel builds: where one configuration holds records decoded by
+    more than one build (on either side of the pair), those records' kernel names carry their build ("exact
+    (kernels 1a2b3c4d)", "exact (earlier kernels)"), so the report and the page show the builds side by side.
+    Returns the records (renamed copies where needed) and one line per configuration split."""
+    builds: dict[tuple, set] = defaultdict(set)
+    for r in records:
+        dtype, attn, ref, candidate = _config(r)
+        if EXACT_KERNEL in (attn, ref):
+            builds[(dtype, attn, ref, candidate)].add((_build(r.get("kernels")) if attn == EXACT_KERNEL else None,
+                                                       _build(r.get("reference_kernels")) if ref == EXACT_KERNEL else None))
+    split = {key for key, seen in builds.items() if len(seen) > 1}
+    if not split:
+        return records, []
+    out = []
+    for r in records:
+        key = _config(r)
+        if key in split:
+            r = dict(r)
+            if key[1] == EXACT_KERNEL:
+                r["attn"] = f"{EXACT_KERNEL} ({_name(r.get('kernels'))})"
+            if key[2] == EXACT_KERNEL:
+                r["reference_attn"] = f"{EXACT_KERNEL} ({_name(r.get('reference_kernels'))})"
+        out.append(r)
+    notes = []
+    for key in sorted(split):
+        names = sorted({b for pair in builds[key] for b in pair if b})
+        notes.append(f"{config_label(*key)} holds records of {len(names)} kernel builds ({', '.join(names)}), "
+                     f"reported separately")
+    return out, notes
+
+
+def _name(value) -> str:
+    build = _build(value)
+    return build if build == EARLIER else f"kernels {build}"
+
 
 
 # --- summarising ---------------------------------------------------------------------------------
@@ -209,7 +260,7 @@ def summarise(records: list[dict], run_info: dict, reference: str | None = None)
         machines[str(r.get("machine") or "not recorded")] += 1
     chosen = refcmp.choose(records, reference)
     against = refcmp.compare(records, chosen, _config, lambda key: config_label(*key)) if chosen else None
-    extra = {"corrupt_lines": run_info["corrupt_lines"]} if run_info.get("corrupt_lines") else {}
+    extra = {k: run_info[k] for k in ("corrupt_lines", "kernel_versions") if run_info.get(k)}
     return _finite({"n_records": len(records), "planned": planned if isinstance(planned, int) else None,
                     **extra, "configs": configs, "reference_comparison": against,
                     "domains": domains, "regression": regression, "ppl": ppl,
@@ -361,6 +412,8 @@ def _markdown(summary: dict, run_dir: Path, run_info: dict, plots: list[tuple[st
     L = ["# Trajectory audit report", "", f"Run: `{run_dir}`  ", _progress(summary) + "  ",
          f"Report `{summary.get('report_id', '?')}` (report.md, summary.json and report.html of one report carry "
          "the same id).", ""]
+    for note in summary.get("kernel_versions", []):
+        L += [f"Not pooled: {note}.", ""]
     if summary.get("corrupt_lines"):
         bad = summary["corrupt_lines"]
         L += [f"**{len(bad)} record line(s) could not be read and were skipped**: "
