@@ -142,6 +142,11 @@ def create_app(model, defaults: Defaults | None = None, *, model_name: str | Non
     async def health():
         return {"status": "ok", "model": name, "queue": engine.depth()}
 
+    def check_model(asked: str) -> None:
+        if asked != name:
+            raise ApiError(404, f"model '{asked}' is not served here: this server serves '{name}'", param="model",
+                           code="model_not_found")
+
     def model_card() -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "lossless",
                 "lossless": {"dtype": model.dtype_name, "attn": model.attn, "k": model.k,
@@ -153,9 +158,7 @@ def create_app(model, defaults: Defaults | None = None, *, model_name: str | Non
 
     @app.get("/v1/models/{model_id:path}")
     async def one_model(model_id: str):
-        if model_id != name:
-            raise ApiError(404, f"model '{model_id}' is not served here: this server serves '{name}'",
-                           param="model", code="model_not_found")
+        check_model(model_id)
         return model_card()
 
     @app.get("/metrics")
@@ -188,9 +191,8 @@ def create_app(model, defaults: Defaults | None = None, *, model_name: str | Non
         return await answer(request, req, ids, chat=False)
 
     async def answer(request: Request, req, ids: list[int], chat: bool):
-        if req.model is not None and req.model != name:
-            raise ApiError(404, f"model '{req.model}' is not served here: this server serves '{name}'",
-                           param="model", code="model_not_found")
+        if req.model is not None:
+            check_model(req.model)
         settings = generate_settings(req, ids, model, defaults)
         job = Job(prompt_ids=ids, settings=settings, stops=req.stops(), loop=asyncio.get_running_loop())
         try:
