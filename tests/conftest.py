@@ -111,3 +111,40 @@ def save_tiny_model_dir(path: Path, family: str = "llama", seed: int = 0, tokeni
     if tokenizer:
         tiny_tokenizer().save_pretrained(path)
     return path
+
+
+class StackCalls(list):
+    """The forwards of one model that ran as one layer-stack kernel call (exact mode's `FusedStackMixin`): each
+    entry the rows of one call. Use as a context manager; the model's stacks are made afresh inside it."""
+
+    def __init__(self, model: OrthrusLM):
+        super().__init__()
+        self.model = model
+
+    def __enter__(self):
+        from unittest import mock
+
+        from lossless.decoding import kernels
+
+        calls, real = self, kernels.stack
+
+        class Counting:
+            def __init__(self):
+                self.inner = real()
+
+            def add(self, *args):
+                self.inner.add(*args)
+
+            def forward(self, x, *args):
+                calls.append(x.shape[0])
+                return self.inner.forward(x, *args)
+
+        self.model.backbone.model.__dict__.pop("_lossless_stacks", None)
+        self.patch = mock.patch.object(kernels, "stack", Counting)
+        self.patch.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.patch.stop()
+        self.model.backbone.model.__dict__.pop("_lossless_stacks", None)
+        return False

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import NO_EOS, perturb_head, tiny_backbone
+from conftest import NO_EOS, StackCalls, perturb_head, tiny_backbone
 from lossless.decoding import kernels
 from lossless.decoding.loop import DecodeConfig, decode
 from lossless.decoding.model import OrthrusLM
@@ -262,9 +262,12 @@ def test_exact_fp32_logits_match_stock_fp32_logits(family, data):
 @settings(max_examples=6, **SLOW)
 @given(data=st.data())
 def test_fused_decoder_layers_give_the_bits_of_the_module_path(family, dtype, data):
-    """Exact mode runs each Llama/Qwen3 decoder layer as two kernel calls (rotary, residual adds and gate * up
-    inside them); module by module, Hugging Face's layer code calling each kernel, gives the same logits and
-    the same cache bit for bit: a prefill, a verify block and a tree."""
+    """Exact mode runs a forward's decoder layers as one kernel call (each Llama/Qwen3 layer as two kernels,
+    rotary, residual adds and gate * up inside them), or layer by layer as two calls each (a cache that does
+    not grow in place); module by module, Hugging Face's layer code calling each kernel, gives the same logits
+    and the same cache bit for bit in all three: a prefill, a verify block and a tree."""
+    from transformers import DynamicCache
+
     from lossless.decoding.exact import layer_modules
 
     model = OrthrusLM(drawn_backbone(data, family).to(dtype), k=4)
@@ -281,13 +284,17 @@ def test_fused_decoder_layers_give_the_bits_of_the_module_path(family, dtype, da
         out = [first, model.verify(cache, ids[split:]), model.verify_tree(cache, tree, parents)]
         return out + [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
+    with StackCalls(model) as stacked:
+        whole = run()
     with mock.patch.object(kernels, "layer_in", wraps=kernels.layer_in) as layer_in:
-        fused = run()
+        with mock.patch.object(model, "new_cache", lambda: DynamicCache(config=model.config)):
+            fused = run()
         with layer_modules():
             modules = run()
-    assert layer_in.call_count == 3 * model.config.num_hidden_layers  # fused: every layer of every forward
-    for i, (a, b) in enumerate(zip(fused, modules)):
-        assert torch.equal(bits(a), bits(b)), i
+    assert stacked == [split, len(ids) - split, len(tree)]  # every forward as one call
+    assert layer_in.call_count == 3 * model.config.num_hidden_layers  # layer by layer: every layer of every forward
+    for i, (a, b, c) in enumerate(zip(whole, fused, modules)):
+        assert torch.equal(bits(a), bits(c)) and torch.equal(bits(b), bits(c)), i
 
 
 # -------------------------------------------------------------------------------------------- borders

@@ -304,20 +304,15 @@ def test_exact_draft_view_runs_the_fixed_order_kernels(family, dtype):
     for (fused_rows, two_pass), (stock_rows, _) in zip(exact, stock):
         assert torch.equal(fused_rows, two_pass)
         torch.testing.assert_close(fused_rows.float(), stock_rows.float(), **tol)
-    # the draft pass runs as two kernel calls a layer: the module path's bits, and the cache as it was
-    from lossless.decoding import kernels
+    # the draft pass runs as one kernel call (two kernels a layer): the module path's bits, the cache as it was
+    from conftest import StackCalls
     from lossless.decoding.exact import layer_modules
 
     cache, _ = model.prefill(PROMPTS[0])
     keys = [layer.keys.clone() for layer in cache.layers]
-    calls = []
-    layer_in = kernels.layer_in
-    kernels.layer_in = lambda *a: calls.append(1) or layer_in(*a)
-    try:
+    with StackCalls(model) as calls:
         fused_pass = model.draft(cache, 7, 8)
-    finally:
-        kernels.layer_in = layer_in
     with layer_modules():
         module_pass = model.draft(cache, 7, 8)
-    assert len(calls) == len(model.backbone.model.layers) and torch.equal(fused_pass, module_pass)
+    assert calls == [8] and torch.equal(fused_pass, module_pass)
     assert all(torch.equal(layer.keys, k) for layer, k in zip(cache.layers, keys))

@@ -35,18 +35,47 @@ class GrowingLayer(DynamicLayer):
         fits = self._views_buffer() and n + q <= self._buffers[0].shape[2] and \
             self._buffers[0].shape[:2] == key_states.shape[:2] and self._buffers[0].dtype == key_states.dtype
         if not fits:
-            cap = n + q + max(ROOM, (n + q) // 2)
-            fresh = tuple(torch.empty(*s.shape[:2], cap, s.shape[3], dtype=s.dtype, device=s.device)
-                          for s in (key_states, value_states))
-            if n:
-                fresh[0][:, :, :n] = self.keys
-                fresh[1][:, :, :n] = self.values
-            self._buffers = fresh
+            self._grow(n, q, key_states, value_states)
         keys, values = self._buffers
         keys[:, :, n:n + q] = key_states
         values[:, :, n:n + q] = value_states
         self.keys, self.values = keys[:, :, :n + q], values[:, :, :n + q]
         return self.keys, self.values
+
+    def _grow(self, n: int, q: int, key_like: torch.Tensor, value_like: torch.Tensor) -> None:
+        """New buffers shaped like `key_like`/`value_like` with room for n + q positions and more, holding the
+        cache's n positions."""
+        cap = n + q + max(ROOM, (n + q) // 2)
+        fresh = tuple(torch.empty(*s.shape[:2], cap, s.shape[3], dtype=s.dtype, device=s.device)
+                      for s in (key_like, value_like))
+        if n:
+            fresh[0][:, :, :n] = self.keys
+            fresh[1][:, :, :n] = self.values
+        self._buffers = fresh
+
+    def room(self, q: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The buffers [b, kv, cap, d], grown (as `update` grows them) to hold q positions past the cache's end,
+        for a caller that writes those positions itself (`extend` then counts them in); a layer that holds
+        nothing yet starts buffers shaped like `like` [b, kv, 0, d]. None when this layer's keys are not the
+        first positions of its buffers (other code replaced them)."""
+        if not self.is_initialized:
+            self.lazy_initialization(like, like)
+            self._grow(0, q, like, like)
+            self.keys, self.values = self._buffers[0][:, :, :0], self._buffers[1][:, :, :0]
+        keys, buffers = self.keys, self._buffers
+        if buffers is None or keys is None or keys._base is not buffers[0] or self.values._base is not buffers[1] \
+                or keys.storage_offset() or self.values.storage_offset() or keys.stride() != buffers[0].stride() \
+                or self.values.stride() != buffers[1].stride():
+            return None
+        n = keys.shape[2]
+        if n + q > buffers[0].shape[2]:
+            self._grow(n, q, keys, self.values)
+        return self._buffers
+
+    def extend(self, q: int) -> None:
+        """Count in the q positions past the cache's end that a caller wrote into the buffers (after `room`)."""
+        n = self.keys.shape[2] + q
+        self.keys, self.values = self._buffers[0][:, :, :n], self._buffers[1][:, :, :n]
 
     def update_aside(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """The cache's keys and values followed by these [b, kv, q, d], without adding them to the cache: they are

@@ -264,11 +264,7 @@ class FusedLayerMixin:
                 or _MODULES.get() or _stock(hidden_states, self.input_layernorm.weight)):
             return super().forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                    cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
-        key_of = "_lossless_plan" if draft is None else "_lossless_draft_plan"
-        plan = self.__dict__.get(key_of)
-        if plan is None or any(d[name] is not t or t._version != v for d, name, t, v in plan[0]):
-            plan = self.__dict__[key_of] = self._lossless_make_plan(draft=draft is not None)
-        _, rows, layer_idx, scaling, args_in, args_out = plan
+        _, rows, layer_idx, scaling, args_in, args_out = self._lossless_current_plan(draft is not None)
         if rows is not None:
             rows.start = None if draft is None else 0  # AR rows, or draft rows from the first on
         x = hidden_states[0].contiguous()
@@ -281,6 +277,14 @@ class FusedLayerMixin:
             keys, values = cache.layers[layer_idx].update_aside(key, value)
             visible = torch.ones(x.shape[0], keys.shape[2], dtype=torch.bool, device=x.device)
         return kernels.layer_out(x, q, keys[0], values[0], visible, scaling, *args_out).unsqueeze(0)
+
+    def _lossless_current_plan(self, draft: bool) -> tuple:
+        """The AR (or draft-view) plan, made again when any weight it was made from has changed."""
+        key_of = "_lossless_draft_plan" if draft else "_lossless_plan"
+        plan = self.__dict__.get(key_of)
+        if plan is None or any(d[name] is not t or t._version != v for d, name, t, v in plan[0]):
+            plan = self.__dict__[key_of] = self._lossless_make_plan(draft=draft)
+        return plan
 
     def _lossless_drafts_fused(self, draft, cache) -> bool:
         """Whether a draft-view forward runs as the two layer calls too: a decoding draft pass (no verify rows,
@@ -315,6 +319,78 @@ class FusedLayerMixin:
         args_out = ([p.packed() for p in outs], [bias(p) for p in outs], [p.out_features for p in outs],
                     second.weight, second.variance_epsilon)
         return (stamps, getattr(attn, "_orthrus_rows", None), attn.layer_idx, float(attn.scaling), args_in, args_out)
+
+
+class FusedStackMixin:
+    """A Llama/Qwen3 decoder stack (the backbone's `model`) whose layers are all `FusedLayerMixin`s: an AR forward
+    over a growing cache, or a decoding draft pass, runs every layer in one kernel call (`kernels.Stack`: each
+    layer's `layer_in`, its keys and values written where the cache update writes them, `layer_out`). The same
+    calls in the same order as layer by layer, so the same bits and the same cache; what goes is the Python
+    between the layers (about as long as the layers themselves on a small model). The kernel call runs
+    without the interpreter lock. Anything the layers would not fuse, and a forward that needs gradients, runs
+    the Hugging Face forward."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                use_cache=None, **kwargs):
+        out = self._lossless_stack_forward(input_ids, attention_mask, position_ids, cache, inputs_embeds, kwargs)
+        if out is not None:
+            return out
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+
+    def _lossless_stack_forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, kwargs):
+        """The forward as one stack call, or None where it does not apply."""
+        draft = kwargs.get("orthrus_draft")
+        if (cache is None or position_ids is None or kwargs.keys() - {"orthrus_draft"} or torch.is_grad_enabled()
+                or _MODULES.get() or _STOCK.get() or (input_ids is None) == (inputs_embeds is None)
+                or (draft is not None and attention_mask is not None)
+                or (attention_mask is not None and attention_mask.dim() != 4)):
+            return None
+        layers = self.layers
+        if len(cache.layers) != len(layers) or not all(isinstance(layer, GrowingLayer) for layer in cache.layers):
+            return None
+        if draft is not None and not all(layer._lossless_drafts_fused(draft, cache) for layer in layers):
+            return None
+        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if embeds.shape[0] != 1 or position_ids.shape != (1, embeds.shape[1]):
+            return None
+        q, attn = embeds.shape[1], layers[0].self_attn
+        like = embeds.new_empty(1, self.config.num_key_value_heads, 0, attn.head_dim)
+        buffers = [layer.room(q, like) for layer in cache.layers]
+        if any(b is None for b in buffers):
+            return None
+        n = cache.layers[0].keys.shape[2]
+        if any(layer.keys.shape[2] != n for layer in cache.layers):
+            return None
+        stack = self._lossless_stack(draft is not None)
+        cos, sin = self.rotary_emb(embeds, position_ids=position_ids)
+        if draft is not None:  # the draft view: the cache and its own rows, all visible, the cache left as it was
+            visible = torch.ones(q, n + q, dtype=torch.bool, device=embeds.device)
+        else:
+            visible = _visibility(attention_mask, q, n + q, embeds.device)
+        hidden = stack.forward(embeds[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(), visible,
+                               [b[0] for b in buffers], [b[1] for b in buffers], n)
+        if draft is None:
+            for layer in cache.layers:
+                layer.extend(q)
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden[None]), cache=cache)
+
+    def _lossless_stack(self, draft: bool):
+        """The kernel stack of every layer's AR (or draft-view) plan, made again when any layer's plan is."""
+        plans = [layer._lossless_current_plan(draft) for layer in self.layers]
+        for layer, (_, rows, *_) in zip(self.layers, plans):
+            if rows is not None:
+                rows.start = 0 if draft else None  # as the layer-by-layer path marks them
+        key = (draft, kernels.isa())
+        held = self.__dict__.setdefault("_lossless_stacks", {}).get(key)
+        if held is None or len(held[0]) != len(plans) or any(a is not b for a, b in zip(held[0], plans)):
+            stack = kernels.stack()
+            for _, _, _, scaling, args_in, args_out in plans:
+                stack.add(*args_in, scaling, *args_out)
+            held = self._lossless_stacks[key] = (plans, stack)
+        return held[1]
 
 
 def _fusable(layer: torch.nn.Module) -> bool:
@@ -457,6 +533,9 @@ def make_batch_invariant(backbone: torch.nn.Module) -> list[str]:
         if _fusable(layer):
             _swap_class(layer, FusedLayerMixin)
             fused += 1
+    if fused and fused == len(backbone.model.layers) and hasattr(backbone.model, "embed_tokens") \
+            and hasattr(backbone.model, "norm"):
+        _swap_class(backbone.model, FusedStackMixin)
     return ["attention", *(f"linear {i}->{o} x{n} (fixed-order kernel)" for (i, o), n in sorted(linears.items())),
             *([f"decoder layer x{fused} (two calls per AR forward)"] if fused else []),
             *(label.format(n) for label, n in sorted(counts.items())), f"kernels {kernels.isa()}"]

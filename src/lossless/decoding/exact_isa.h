@@ -870,3 +870,58 @@ at::Tensor layer_out(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   const at::Tensor mlp = (linear)(at::mul((silu)(gate_up[0]), gate_up[1]), packed[3], n[3], maybe(bias[3]));
   return at::add(x1, mlp);
 }
+
+// ------------------------------------------------------------------------------------------- the layer stack
+// Every decoder layer of one forward in one call: for each layer, `layer_in`, its new keys and values written
+// into the cache's buffers at positions n..n+m-1 (what the cache update does: a copy), then `layer_out` over
+// the first n+m positions. The same calls in the same order as the layer-by-layer path, so the same bits; only
+// the Python between the layers goes. The caller makes room in the buffers first and moves the cache's length
+// after (or leaves it where it was: the draft view's rows written aside).
+struct Stack {
+  struct Layer {
+    at::Tensor norm_in, q_norm, k_norm, norm_out;
+    double eps_in, qk_eps, scaling, eps_out;
+    int64_t head_dim;
+    std::vector<at::Tensor> packed_in, bias_in, packed_out, bias_out;
+    std::vector<int64_t> n_in, n_out;
+  };
+  std::vector<Layer> layers;
+
+  // layer_in's arguments after cos/sin, the attention scaling, then layer_out's after the visibility
+  void add(const at::Tensor& norm_in, double eps_in, const std::vector<at::Tensor>& packed_in,
+           const std::vector<at::Tensor>& bias_in, const std::vector<int64_t>& n_in, const at::Tensor& q_norm,
+           const at::Tensor& k_norm, double qk_eps, int64_t head_dim, double scaling,
+           const std::vector<at::Tensor>& packed_out, const std::vector<at::Tensor>& bias_out,
+           const std::vector<int64_t>& n_out, const at::Tensor& norm_out, double eps_out) {
+    TORCH_CHECK(packed_in.size() == 3 && bias_in.size() == 3 && n_in.size() == 3, "Stack.add: q, k and v projections");
+    TORCH_CHECK(packed_out.size() == 4 && bias_out.size() == 4 && n_out.size() == 4,
+                "Stack.add: o, gate, up and down projections");
+    layers.push_back({norm_in, q_norm, k_norm, norm_out, eps_in, qk_eps, scaling, eps_out, head_dim, packed_in,
+                      bias_in, packed_out, bias_out, n_in, n_out});
+  }
+
+  // x [m, hidden] at positions with cos/sin [m, d]; visible [m, n + m]; keys/values: one buffer [1, kv, cap, d]
+  // per layer, cap >= n + m, holding the cache's n positions. Returns the last layer's output [m, hidden].
+  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& visible,
+                     const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values, int64_t n) const {
+    const int64_t m = x.size(0);
+    TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(), "Stack.forward: one key and one "
+                "value buffer per layer");
+    TORCH_CHECK(visible.dim() == 2 && visible.size(0) == m && visible.size(1) == n + m,
+                "Stack.forward: visible must be [rows, cache + rows]");
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const Layer& L = layers[l];
+      TORCH_CHECK(keys[l].dim() == 4 && keys[l].size(0) == 1 && keys[l].size(2) >= n + m &&
+                      values[l].sizes() == keys[l].sizes() && keys[l].is_contiguous() && values[l].is_contiguous(),
+                  "Stack.forward: buffers [1, kv, cap >= cache + rows, d], contiguous");
+      const std::vector<at::Tensor> qkv = layer_in(x, cos, sin, L.norm_in, L.eps_in, L.packed_in, L.bias_in, L.n_in,
+                                                   L.q_norm, L.k_norm, L.qk_eps, L.head_dim);
+      const at::Tensor kb = keys[l][0], vb = values[l][0];  // [kv, cap, d]
+      kb.narrow(1, n, m).copy_(qkv[1][0]);
+      vb.narrow(1, n, m).copy_(qkv[2][0]);
+      x = layer_out(x, qkv[0], kb.narrow(1, 0, n + m), vb.narrow(1, 0, n + m), visible, L.scaling, L.packed_out,
+                    L.bias_out, L.n_out, L.norm_out, L.eps_out);
+    }
+    return x;
+  }
+};

@@ -174,6 +174,12 @@ namespace isa_scalar {
     sub.def("set_widen_bf16", &isa_##NS::set_widen_bf16, "bf16 products as widened fp32 fmas (True) or dot products"); \
     sub.def("layer_in", &isa_##NS::layer_in, "a decoder layer up to the cache: norm, q/k/v, q/k norms, rotary");  \
     sub.def("layer_out", &isa_##NS::layer_out, "a decoder layer from attention on: o, residual, norm, MLP");        \
+    pybind11::class_<isa_##NS::Stack>(sub, "Stack", "every decoder layer of a forward in one call")               \
+        .def(pybind11::init<>())                                                                                  \
+        .def("add", &isa_##NS::Stack::add, "append a layer (layer_in's and layer_out's arguments)")               \
+        .def("__len__", [](const isa_##NS::Stack& s) { return s.layers.size(); })                                  \
+        .def("forward", &isa_##NS::Stack::forward, "all layers over rows at cache positions n..",                 \
+             pybind11::call_guard<pybind11::gil_scoped_release>());                                              \
   } while (0)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

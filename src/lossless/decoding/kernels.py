@@ -261,6 +261,11 @@ def layer_out(*args) -> torch.Tensor:
     return ops().layer_out(*args)
 
 
+def stack():
+    """An empty layer stack of the current variant (`exact.FusedStackMixin` adds its layers; see exact_isa.h)."""
+    return ops().Stack()
+
+
 def stream(tensors: list[torch.Tensor]) -> int:
     """Read every byte of `tensors` once, as fast as the threads can (the memory floor a forward is measured
     against); returns the OR of all their 32-bit words (so the reads cannot be skipped). Each tensor's bytes must
