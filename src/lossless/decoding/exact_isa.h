@@ -223,26 +223,49 @@ template <typename T>
 struct Rows {
   std::vector<float> f;
   std::vector<uint32_t> pairs;
-  int64_t steps;  // chain steps per output: k, or ceil(k / 2) pairs
+  int64_t steps = 0;  // chain steps per output: k, or ceil(k / 2) pairs
+  int64_t k = 0;
   bool widened = false;
-  Rows(const T* x, int64_t m, int64_t k) {
+  Rows() = default;
+  Rows(const T* x, int64_t m, int64_t k_) {
+    resize(m, k_);
+    for (int64_t r = 0; r < m; ++r) fill(x, r, 0, steps);
+  }
+  void resize(int64_t m, int64_t k_) {
+    k = k_;
     if constexpr (PAIRED<T>) {
       steps = (k + 1) / 2;
       widened = widen_bf16();
-      if (widened) {
-        f.assign(static_cast<size_t>(m * steps * 2), 0.0f);
-        for (int64_t r = 0; r < m; ++r)
-          for (int64_t i = 0; i < k; ++i) f[(r * steps + i / 2) * 2 + (i % 2 ? 0 : 1)] = to_float(x[r * k + i]);
-        return;
-      }
-      pairs.assign(static_cast<size_t>(m * steps), 0u);
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t i = 0; i < k; ++i)
-          pairs[r * steps + i / 2] |= static_cast<uint32_t>(x[r * k + i].x) << (16 * (i % 2));
+      if (widened) f.resize(static_cast<size_t>(m * steps * 2));
+      else pairs.resize(static_cast<size_t>(m * steps));
     } else {
       steps = k;
       f.resize(static_cast<size_t>(m * k));
-      for (int64_t i = 0; i < m * k; ++i) f[i] = to_float(x[i]);
+    }
+  }
+  // steps s0..s1-1 of row r from x [m, k] (a pair past k holds a zero)
+  void fill(const T* x, int64_t r, int64_t s0, int64_t s1) {
+    const T* xr = x + r * k;
+    if constexpr (PAIRED<T>) {
+      for (int64_t i = s0; i < s1; ++i) {
+        const bool odd = 2 * i + 1 < k;
+        if (widened) {
+          f[(r * steps + i) * 2 + 1] = to_float(xr[2 * i]);
+          f[(r * steps + i) * 2] = odd ? to_float(xr[2 * i + 1]) : 0.0f;
+        } else {
+          pairs[r * steps + i] = static_cast<uint32_t>(xr[2 * i].x) | (odd ? static_cast<uint32_t>(xr[2 * i + 1].x) << 16 : 0u);
+        }
+      }
+    } else {
+      for (int64_t i = s0; i < s1; ++i) f[r * k + i] = to_float(xr[i]);
+    }
+  }
+  // the flat steps s0..s1-1 of rows one after another (row r's steps are r * steps ..)
+  void fill_flat(const T* x, int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1;) {
+      const int64_t r = s / steps, e = std::min(s1, (r + 1) * steps);
+      fill(x, r, s - r * steps, e - r * steps);
+      s = e;
     }
   }
 };
@@ -404,6 +427,27 @@ inline void panel_range(const Rows<T>& rows, int64_t m, const T* wp, int64_t n, 
   for (; p < p1; ++p) panel_all_rows<1>(rows, m, wp, n, p, op, bp);
 }
 
+// one packed weight of a call: its panels, outputs, where they go and its bias (or null)
+template <typename T>
+struct Weight {
+  const T* packed;
+  int64_t n, panels;
+  T* out;
+  const T* bias;
+};
+
+// panels g0..g1-1 of the weights' panels counted one weight after another, for all m rows
+template <typename T>
+inline void linear_panels(const Rows<T>& rows, int64_t m, const std::vector<Weight<T>>& weights, int64_t g0,
+                          int64_t g1) {
+  int64_t first = 0;
+  for (const Weight<T>& w : weights) {
+    const int64_t p0 = std::max(g0, first) - first, p1 = std::min(g1, first + w.panels) - first;
+    if (p0 < p1) panel_range(rows, m, w.packed, w.n, p0, p1, w.out, w.bias);
+    first += w.panels;
+  }
+}
+
 // x [m, k] through several packed weights (one call's q, k and v, or gate and up): one parallel region over all
 // their panels, each output the chain a call of its own computes.
 template <typename T>
@@ -418,12 +462,12 @@ void linear_impl(const at::Tensor& x, const std::vector<at::Tensor>& packed, con
                 "linear: the packed weight does not match x (pack it with kernels.pack_weight)");
     start[w + 1] = start[w] + packed[w].size(0);
   }
+  std::vector<Weight<T>> weights;
+  for (size_t w = 0; w < packed.size(); ++w)
+    weights.push_back({packed[w].data_ptr<T>(), n[w], packed[w].size(0), out[w].data_ptr<T>(), bias[w]});
   at::parallel_for(0, start.back(), 4, [&](int64_t g0, int64_t g1) {
     const FlushDenormals flush_here;  // the rule holds in the thread that does the work
-    for (size_t w = 0; w < packed.size(); ++w) {
-      const int64_t p0 = std::max(g0, start[w]) - start[w], p1 = std::min(g1, start[w + 1]) - start[w];
-      if (p0 < p1) panel_range(rows, m, packed[w].data_ptr<T>(), n[w], p0, p1, out[w].data_ptr<T>(), bias[w]);
-    }
+    linear_panels(rows, m, weights, g0, g1);
   });
 }
 
@@ -593,6 +637,81 @@ inline void attend_heads(const float* qf, int64_t d, int64_t dp, const float* kt
   for (; t < dp; t += LANES) weighted_values<G, 1>(scores.data(), static_cast<int64_t>(m), seen, vk, d, dp, t, acc.data());
 }
 
+struct AttentionScratch {
+  std::vector<float> all, scores, acc, qf;
+  float total[4];
+  explicit AttentionScratch(int64_t d) : qf(static_cast<size_t>(4 * d)) {}
+};
+
+// One call's attention as work items (row, kv head, up to `per` of its query heads, which share each key read);
+// one head per item only when there are fewer (row, kv head) pairs than threads, so every thread has work.
+// Which heads share an item never changes a bit: each output is its own chain.
+template <typename T>
+struct Attention {
+  const T* qp;  // query [rows, h, d]
+  const T* kp;  // keys of kv head j at kp + j * ks, rows of d
+  const T* vp;
+  T* op;  // out [rows, h, d]
+  const float* kt;  // key tiles (without AVX-512), else null
+  int64_t ks, vs, h, d, dp, kvh, groups, n, tiles, per, parts;
+  float scale;
+  const std::vector<std::vector<int32_t>>* keys;  // each row's visible keys, in cache order
+
+  Attention with_items(int64_t rows, int threads) const {
+    Attention a = *this;
+    a.per = rows * kvh >= threads ? 4 : 1;
+    a.parts = (groups + a.per - 1) / a.per;
+    return a;
+  }
+
+  void item(int64_t a, AttentionScratch& s) const {
+    const int64_t row = a / (kvh * parts), kv = a / parts % kvh, h0 = kv * groups + a % parts * per;
+    const int64_t g_count = std::min<int64_t>(per, kv * groups + groups - h0);
+    const std::vector<int32_t>& seen = (*keys)[row];
+    if (seen.empty()) {
+      for (int64_t e = 0; e < g_count * d; ++e) op[(row * h + h0) * d + e] = from_float<T>(0.0f);
+      return;
+    }
+    for (int64_t e = 0; e < g_count * d; ++e) s.qf[e] = to_float(qp[(row * h + h0) * d + e]);
+    const float* ktk = kt == nullptr ? nullptr : kt + kv * tiles * d * LANES;
+    const T* vk = vp + kv * vs;
+    const T* kk = kp + kv * ks;
+    switch (g_count) {
+      case 1: attend_heads<1>(s.qf.data(), d, dp, ktk, kk, n, vk, seen, scale, s.all, s.scores, s.acc, s.total); break;
+      case 2: attend_heads<2>(s.qf.data(), d, dp, ktk, kk, n, vk, seen, scale, s.all, s.scores, s.acc, s.total); break;
+      case 3: attend_heads<3>(s.qf.data(), d, dp, ktk, kk, n, vk, seen, scale, s.all, s.scores, s.acc, s.total); break;
+      default: attend_heads<4>(s.qf.data(), d, dp, ktk, kk, n, vk, seen, scale, s.all, s.scores, s.acc, s.total); break;
+    }
+    for (int64_t g = 0; g < g_count; ++g) {
+      T* o = op + (row * h + h0 + g) * d;
+      for (int64_t e = 0; e < d; ++e) o[e] = from_float<T>(s.acc[g * dp + e] / s.total[g]);
+    }
+  }
+};
+
+// key tiles b0..b1-1 of [kv, tile, d, 16] fp32 (lanes past n zeros) from keys [kv, n, d] (kv head stride ks)
+template <typename T>
+inline void build_tiles(const T* kp, int64_t ks, int64_t n, int64_t d, int64_t tiles, int64_t b0, int64_t b1, float* kt) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t kv = b / tiles, tile = b % tiles, valid = std::min<int64_t>(LANES, n - tile * LANES);
+    const T* first = kp + kv * ks + tile * LANES * d;  // the tile's first key
+    for (int64_t t = 0; t < d; ++t) {  // one 16-lane line of the tile at a time
+      float* line = kt + (b * d + t) * LANES;
+      for (int64_t l = 0; l < valid; ++l) line[l] = to_float(first[l * d + t]);
+      for (int64_t l = valid; l < LANES; ++l) line[l] = 0.0f;
+    }
+  }
+}
+
+// each row's visible keys [q, n] in cache order
+inline std::vector<std::vector<int32_t>> visible_keys(const bool* mp, int64_t q, int64_t n) {
+  std::vector<std::vector<int32_t>> keys(static_cast<size_t>(q));
+  for (int64_t row = 0; row < q; ++row)
+    for (int64_t j = 0; j < n; ++j)
+      if (mp[row * n + j]) keys[row].push_back(static_cast<int32_t>(j));
+  return keys;
+}
+
 template <typename T>
 void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& visible,
                     double scaling, at::Tensor& out) {
@@ -607,12 +726,7 @@ void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Te
   T* op = out.data_ptr<T>();
   const float scale = static_cast<float>(scaling);
   // each row's visible keys, in cache order, once for all heads
-  std::vector<std::vector<int32_t>> keys(static_cast<size_t>(q));
-  at::parallel_for(0, q, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t row = r0; row < r1; ++row)
-      for (int64_t j = 0; j < n; ++j)
-        if (mp[row * n + j]) keys[row].push_back(static_cast<int32_t>(j));
-  });
+  const std::vector<std::vector<int32_t>> keys = visible_keys(mp, q, n);
   // keys [kv, tile, d, 16] in fp32, in a buffer kept by the calling thread between calls (a fresh one of a long
   // context's size costs page faults on every call); the lanes past n are zeros. AVX-512 gathers the scores'
   // keys from the cache's rows instead.
@@ -622,50 +736,32 @@ void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Te
   static thread_local std::vector<float> kt_store;
   kt_store.resize(std::max(kt_store.size(), static_cast<size_t>(kvh * tiles * d * LANES)));
   float* kt = kt_store.data();
-  at::parallel_for(0, kvh * tiles, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t kv = b / tiles, tile = b % tiles, valid = std::min<int64_t>(LANES, n - tile * LANES);
-      const T* first = kp + kv * ks + tile * LANES * d;  // the tile's first key
-      for (int64_t t = 0; t < d; ++t) {  // one 16-lane line of the tile at a time
-        float* line = kt + (b * d + t) * LANES;
-        for (int64_t l = 0; l < valid; ++l) line[l] = to_float(first[l * d + t]);
-        for (int64_t l = valid; l < LANES; ++l) line[l] = 0.0f;
-      }
-    }
-  });
+  at::parallel_for(0, kvh * tiles, 4, [&](int64_t b0, int64_t b1) { build_tiles(kp, ks, n, d, tiles, b0, b1, kt); });
 #endif
-  // work items: (row, kv head, up to `per` of its query heads, which share each key read); one head per item
-  // only when there are fewer (row, kv head) pairs than threads, so every thread has work. Which heads share an
-  // item never changes a bit: each output is its own chain.
-  const int64_t per = q * kvh >= at::get_num_threads() ? 4 : 1, parts = (groups + per - 1) / per;
-  at::parallel_for(0, q * kvh * parts, 1, [&](int64_t a0, int64_t a1) {
+  const Attention<T> base{qp, kp, vp, op, kt, ks, vs, h, d, dp, kvh, groups, n, tiles, 1, 1, scale, &keys};
+  const Attention<T> plan = base.with_items(q, at::get_num_threads());
+  at::parallel_for(0, q * kvh * plan.parts, 1, [&](int64_t a0, int64_t a1) {
     const FlushDenormals flush_here;
-    std::vector<float> all, scores, acc, qf(static_cast<size_t>(4 * d));
-    float total[4];
-    for (int64_t a = a0; a < a1; ++a) {
-      const int64_t row = a / (kvh * parts), kv = a / parts % kvh, h0 = kv * groups + a % parts * per;
-      const int64_t g_count = std::min<int64_t>(per, kv * groups + groups - h0);
-      const std::vector<int32_t>& seen = keys[row];
-      if (seen.empty()) {
-        for (int64_t e = 0; e < g_count * d; ++e) op[(row * h + h0) * d + e] = from_float<T>(0.0f);
-        continue;
-      }
-      for (int64_t e = 0; e < g_count * d; ++e) qf[e] = to_float(qp[(row * h + h0) * d + e]);
-      const float* ktk = kt == nullptr ? nullptr : kt + kv * tiles * d * LANES;
-      const T* vk = vp + kv * vs;
-      const T* kk = kp + kv * ks;
-      switch (g_count) {
-        case 1: attend_heads<1>(qf.data(), d, dp, ktk, kk, n, vk, seen, scale, all, scores, acc, total); break;
-        case 2: attend_heads<2>(qf.data(), d, dp, ktk, kk, n, vk, seen, scale, all, scores, acc, total); break;
-        case 3: attend_heads<3>(qf.data(), d, dp, ktk, kk, n, vk, seen, scale, all, scores, acc, total); break;
-        default: attend_heads<4>(qf.data(), d, dp, ktk, kk, n, vk, seen, scale, all, scores, acc, total); break;
-      }
-      for (int64_t g = 0; g < g_count; ++g) {
-        T* o = op + (row * h + h0 + g) * d;
-        for (int64_t e = 0; e < d; ++e) o[e] = from_float<T>(acc[g * dp + e] / total[g]);
-      }
-    }
+    AttentionScratch scratch(d);
+    for (int64_t a = a0; a < a1; ++a) plan.item(a, scratch);
   });
+}
+
+// one row of the RMSNorm below: x [c] -> out [c]
+template <typename T>
+inline void rms_row(const T* xi, const T* wp, int64_t c, float e, T* out) {
+  float lanes[LANES] = {0};
+  for (int64_t t = 0; t < c; ++t) {
+    const float v = to_float(xi[t]);
+    lanes[t % LANES] = std::fmaf(v, v, lanes[t % LANES]);
+  }
+  const float inv = 1.0f / std::sqrt(tree16(lanes) / static_cast<float>(c) + e);
+  for (int64_t t = 0; t < c; ++t) out[t] = from_float<T>(to_float(wp[t]) * to_float(from_float<T>(to_float(xi[t]) * inv)));
+}
+
+template <typename T> inline T silu_one(T x) {
+  const float v = to_float(x);
+  return from_float<T>(v / (1.0f + exp_fixed(-v)));
 }
 
 // The Llama/Qwen RMSNorm: y = w * T(x * rsqrt(mean(x^2) + eps)), statistics in fp32; x [m, c], w [c]
@@ -676,20 +772,10 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, double eps, at::Ten
   const T* xp = x.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const float e = static_cast<float>(eps), count = static_cast<float>(c);
+  const float e = static_cast<float>(eps);
   at::parallel_for(0, m, 8, [&](int64_t i0, int64_t i1) {
     const FlushDenormals flush_here;
-    for (int64_t i = i0; i < i1; ++i) {
-      const T* xi = xp + i * c;
-      float lanes[LANES] = {0};
-      for (int64_t t = 0; t < c; ++t) {
-        const float v = to_float(xi[t]);
-        lanes[t % LANES] = std::fmaf(v, v, lanes[t % LANES]);
-      }
-      const float inv = 1.0f / std::sqrt(tree16(lanes) / count + e);
-      for (int64_t t = 0; t < c; ++t)
-        op[i * c + t] = from_float<T>(to_float(wp[t]) * to_float(from_float<T>(to_float(xi[t]) * inv)));
-    }
+    for (int64_t i = i0; i < i1; ++i) rms_row(xp + i * c, wp, c, e, op + i * c);
   });
 }
 
@@ -701,10 +787,7 @@ void silu_impl(const at::Tensor& x, at::Tensor& out) {
   T* op = out.data_ptr<T>();
   at::parallel_for(0, numel, 2048, [&](int64_t i0, int64_t i1) {
     const FlushDenormals flush_here;
-    for (int64_t i = i0; i < i1; ++i) {
-      const float v = to_float(xp[i]);
-      op[i] = from_float<T>(v / (1.0f + exp_fixed(-v)));
-    }
+    for (int64_t i = i0; i < i1; ++i) op[i] = silu_one(xp[i]);
   });
 }
 
@@ -803,24 +886,27 @@ inline c10::optional<at::Tensor> maybe(const at::Tensor& t) {
 // Hugging Face code computes with ATen's elementwise ops, each op's result rounded to T (ATen computes bf16 and
 // fp16 products and sums in fp32 and rounds once: the product of two is exact in fp32), the same rounding here;
 // outside the denormal rule, as ATen's ops run.
+// one head's d values at one position (its cos/sin rows)
+template <typename T>
+inline void rotary_head(const T* xr, const T* cr, const T* sr, int64_t d, T* o) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) {
+    const float rotated = i < half ? -to_float(xr[i + half]) : to_float(xr[i - half]);
+    const T a = from_float<T>(to_float(xr[i]) * to_float(cr[i]));
+    const T b = from_float<T>(rotated * to_float(sr[i]));
+    o[i] = from_float<T>(to_float(a) + to_float(b));
+  }
+}
+
 template <typename T>
 void rotary_impl(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
-  const int64_t m = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  const int64_t m = x.size(0), heads = x.size(1), d = x.size(2);
   const T* xp = x.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
   T* op = out.data_ptr<T>();
   for (int64_t r = 0; r < m; ++r)
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* xr = xp + (r * heads + h) * d;
-      T* o = op + (r * heads + h) * d;
-      for (int64_t i = 0; i < d; ++i) {
-        const float rotated = i < half ? -to_float(xr[i + half]) : to_float(xr[i - half]);
-        const T a = from_float<T>(to_float(xr[i]) * to_float(cp[r * d + i]));
-        const T b = from_float<T>(rotated * to_float(sp[r * d + i]));
-        o[i] = from_float<T>(to_float(a) + to_float(b));
-      }
-    }
+    for (int64_t h = 0; h < heads; ++h) rotary_head(xp + (r * heads + h) * d, cp + r * d, sp + r * d, d, op + (r * heads + h) * d);
 }
 
 inline at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -872,11 +958,15 @@ at::Tensor layer_out(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 }
 
 // ------------------------------------------------------------------------------------------- the layer stack
-// Every decoder layer of one forward in one call: for each layer, `layer_in`, its new keys and values written
-// into the cache's buffers at positions n..n+m-1 (what the cache update does: a copy), then `layer_out` over
-// the first n+m positions. The same calls in the same order as the layer-by-layer path, so the same bits; only
-// the Python between the layers goes. The caller makes room in the buffers first and moves the cache's length
-// after (or leaves it where it was: the draft view's rows written aside).
+// Every decoder layer of one forward in one call, in one parallel region: the threads go through each layer's
+// steps together (norm, q/k/v, q/k norms and rotary with the new keys and values written into the cache's
+// buffers at positions n..n+m-1, attention over the first n+m, o, residual, norm, gate/up, SiLU * up, down,
+// residual), a barrier between steps, each step's work split over the threads. Every value is computed by the
+// same code as `layer_in` / `layer_out` compute it (the same row, head and panel functions, ATen's elementwise
+// rounding under the caller's floating-point mode, the kernels' under the denormal rule), so the same bits
+// and the same cache as layer by layer; what goes is the Python between the layers and the cost of starting a
+// parallel region for every op. The caller makes room in the buffers first and moves the cache's length after
+// (or leaves it where it was: the draft view's rows written aside).
 struct Stack {
   struct Layer {
     at::Tensor norm_in, q_norm, k_norm, norm_out;
@@ -896,32 +986,264 @@ struct Stack {
     TORCH_CHECK(packed_in.size() == 3 && bias_in.size() == 3 && n_in.size() == 3, "Stack.add: q, k and v projections");
     TORCH_CHECK(packed_out.size() == 4 && bias_out.size() == 4 && n_out.size() == 4,
                 "Stack.add: o, gate, up and down projections");
+    TORCH_CHECK(head_dim > 0 && n_in[0] % head_dim == 0 && n_in[1] % head_dim == 0 && n_in[1] == n_in[2] &&
+                    n_in[0] % n_in[1] == 0 && n_out[1] == n_out[2] && norm_in.dim() == 1 &&
+                    norm_out.sizes() == norm_in.sizes() && n_out[0] == norm_in.size(0) && n_out[3] == norm_in.size(0),
+                "Stack.add: the shapes of a Llama/Qwen3 layer");
+    for (const at::Tensor& t : {norm_in, norm_out}) check_cpu(t, "norm weight");
+    if (!layers.empty()) {
+      const Layer& first = layers[0];
+      TORCH_CHECK(first.n_in == n_in && first.n_out == n_out && first.head_dim == head_dim &&
+                      first.norm_in.scalar_type() == norm_in.scalar_type(), "Stack.add: every layer of one shape and dtype");
+    }
+    for (const at::Tensor& t : {q_norm, k_norm})
+      TORCH_CHECK(t.numel() == 0 || (t.dim() == 1 && t.size(0) == head_dim && t.is_contiguous()), "Stack.add: q/k norms [d]");
     layers.push_back({norm_in, q_norm, k_norm, norm_out, eps_in, qk_eps, scaling, eps_out, head_dim, packed_in,
                       bias_in, packed_out, bias_out, n_in, n_out});
   }
 
   // x [m, hidden] at positions with cos/sin [m, d]; visible [m, n + m]; keys/values: one buffer [1, kv, cap, d]
   // per layer, cap >= n + m, holding the cache's n positions. Returns the last layer's output [m, hidden].
-  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& visible,
-                     const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values, int64_t n) const {
-    const int64_t m = x.size(0);
-    TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(), "Stack.forward: one key and one "
-                "value buffer per layer");
-    TORCH_CHECK(visible.dim() == 2 && visible.size(0) == m && visible.size(1) == n + m,
-                "Stack.forward: visible must be [rows, cache + rows]");
-    for (size_t l = 0; l < layers.size(); ++l) {
-      const Layer& L = layers[l];
-      TORCH_CHECK(keys[l].dim() == 4 && keys[l].size(0) == 1 && keys[l].size(2) >= n + m &&
-                      values[l].sizes() == keys[l].sizes() && keys[l].is_contiguous() && values[l].is_contiguous(),
-                  "Stack.forward: buffers [1, kv, cap >= cache + rows, d], contiguous");
-      const std::vector<at::Tensor> qkv = layer_in(x, cos, sin, L.norm_in, L.eps_in, L.packed_in, L.bias_in, L.n_in,
-                                                   L.q_norm, L.k_norm, L.qk_eps, L.head_dim);
-      const at::Tensor kb = keys[l][0], vb = values[l][0];  // [kv, cap, d]
-      kb.narrow(1, n, m).copy_(qkv[1][0]);
-      vb.narrow(1, n, m).copy_(qkv[2][0]);
-      x = layer_out(x, qkv[0], kb.narrow(1, 0, n + m), vb.narrow(1, 0, n + m), visible, L.scaling, L.packed_out,
-                    L.bias_out, L.n_out, L.norm_out, L.eps_out);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& visible,
+                     const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values, int64_t n) const;
+};
+
+template <typename T>
+struct StackRun {
+  const Stack& stack;
+  int64_t m, n, hidden;
+  const T* cos;
+  const T* sin;
+  const std::vector<at::Tensor>& keys;
+  const std::vector<at::Tensor>& values;
+  std::vector<std::vector<int32_t>> seen;  // each row's visible keys
+  // scratch, shared by the threads: the hidden rows, normed rows, projections, attention, MLP
+  std::vector<T> x, xn, q, k, v, qr, a, o, g, u, act, d, kn;
+  Rows<T> rows_in, rows_a, rows_h, rows_act;
+  std::vector<float> tiles;  // key tiles (without AVX-512)
+  SpinBarrier barrier;
+  uint64_t caller_mode;
+
+  StackRun(const Stack& s, const at::Tensor& x0, const at::Tensor& c, const at::Tensor& sn, const at::Tensor& visible,
+           const std::vector<at::Tensor>& kb, const std::vector<at::Tensor>& vb, int64_t n_)
+      : stack(s), m(x0.size(0)), n(n_), hidden(x0.size(1)), cos(c.data_ptr<T>()), sin(sn.data_ptr<T>()), keys(kb),
+        values(vb), seen(visible_keys(visible.data_ptr<bool>(), m, n_ + m)), caller_mode(FloatMode::get()) {
+    int64_t nq = 0, nk = 0, inter = 0, d_max = 0, tiles_max = 0;
+    for (const Stack::Layer& L : s.layers) {
+      nq = std::max(nq, L.n_in[0]);
+      nk = std::max(nk, L.n_in[1]);
+      inter = std::max(inter, L.n_out[1]);
+      d_max = std::max(d_max, L.head_dim);
+      tiles_max = std::max(tiles_max, L.n_in[1] / L.head_dim * ((n + m + LANES - 1) / LANES) * L.head_dim * LANES);
     }
-    return x;
+    const T* xp = x0.data_ptr<T>();
+    x.assign(xp, xp + m * hidden);
+    xn.resize(m * hidden); o.resize(m * hidden); d.resize(m * hidden);
+    q.resize(m * nq); qr.resize(m * nq); a.resize(m * nq); k.resize(m * nk); v.resize(m * nk); kn.resize(m * (nq + nk));
+    g.resize(m * inter); u.resize(m * inter); act.resize(m * inter);
+#if !defined(LOSSLESS_V16_AVX512)
+    tiles.resize(static_cast<size_t>(tiles_max));
+#else
+    (void)tiles_max;
+    (void)d_max;
+#endif
+  }
+
+  // this thread's share [b, e) of `total` items; `unit` keeps shares in whole units (panel blocks)
+  static void share(int64_t total, int t, int threads, int64_t unit, int64_t& b, int64_t& e) {
+    const int64_t units = (total + unit - 1) / unit;
+    b = std::min(total, units * t / threads * unit);
+    e = std::min(total, units * (t + 1) / threads * unit);
+  }
+
+  void linear(const Rows<T>& rows, const std::vector<Weight<T>>& weights, int t, int threads) const {
+    int64_t total = 0;
+    for (const Weight<T>& w : weights) total += w.panels;
+    int64_t g0, g1;
+    share(total, t, threads, 4, g0, g1);
+    const FlushDenormals flush;
+    linear_panels(rows, m, weights, g0, g1);
+  }
+
+  static const T* bias_of(const at::Tensor& b) { return b.numel() ? b.data_ptr<T>() : nullptr; }
+  static Weight<T> weight(const at::Tensor& packed, const at::Tensor& bias, int64_t n_out, T* out) {
+    return {packed.data_ptr<T>(), n_out, packed.size(0), out, bias_of(bias)};
+  }
+
+  // rows r0..r1-1: x += add (ATen's rounding, the caller's mode), then the norm (the kernel's) into out and rows
+  void residual_norm(const T* add, const at::Tensor& w, double eps, T* out, Rows<T>& rows, int64_t r0, int64_t r1) {
+    if (add != nullptr) {
+      FloatMode::set(caller_mode);
+      for (int64_t e = r0 * hidden; e < r1 * hidden; ++e) x[e] = from_float<T>(to_float(x[e]) + to_float(add[e]));
+    }
+    {
+      const FlushDenormals flush;
+      for (int64_t r = r0; r < r1; ++r) rms_row(x.data() + r * hidden, w.data_ptr<T>(), hidden, static_cast<float>(eps), out + r * hidden);
+    }
+    for (int64_t r = r0; r < r1; ++r) rows.fill(out, r, 0, rows.steps);
+  }
+
+  void run(int t, int threads) {
+    FloatMode::set(caller_mode);  // the base every step's mode is set from
+    int sense = 0;
+    const auto sync = [&] { barrier.wait(sense); };
+    int64_t b, e;
+    for (size_t l = 0; l < stack.layers.size(); ++l) {
+      const Stack::Layer& L = stack.layers[l];
+      const int64_t hd = L.head_dim, nq = L.n_in[0], nk = L.n_in[1], heads = nq / hd, kvh = nk / hd;
+      const int64_t inter = L.n_out[1];
+      const int64_t cap = keys[l].size(2), ks = cap * hd;
+      T* kc = keys[l].data_ptr<T>();
+      T* vc = values[l].data_ptr<T>();
+      // 1. (the previous layer's MLP residual) and the input norm, by rows
+      share(m, t, threads, 1, b, e);
+      residual_norm(l ? d.data() : nullptr, L.norm_in, L.eps_in, xn.data(), rows_in, b, e);
+      sync();
+      // 2. q, k, v
+      linear(rows_in, {weight(L.packed_in[0], L.bias_in[0], nq, q.data()), weight(L.packed_in[1], L.bias_in[1], nk, k.data()),
+                       weight(L.packed_in[2], L.bias_in[2], nk, v.data())}, t, threads);
+      sync();
+      // 3. by (row, head): q/k norms (the kernel's), rotary (ATen's rounding), keys and values into the cache
+      share(m * (heads + kvh), t, threads, 1, b, e);
+      {
+        const FlushDenormals flush;
+        for (int64_t i = b; i < e; ++i) {
+          const int64_t r = i / (heads + kvh), h = i % (heads + kvh);
+          const bool is_q = h < heads;
+          const T* src = is_q ? q.data() + r * nq + h * hd : k.data() + r * nk + (h - heads) * hd;
+          const at::Tensor& w = is_q ? L.q_norm : L.k_norm;
+          T* dst = kn.data() + i * hd;
+          if (w.numel()) rms_row(src, w.data_ptr<T>(), hd, static_cast<float>(L.qk_eps), dst);
+          else std::copy(src, src + hd, dst);
+        }
+      }
+      FloatMode::set(caller_mode);
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t r = i / (heads + kvh), h = i % (heads + kvh);
+        T* dst = h < heads ? qr.data() + (r * heads + h) * hd : kc + (h - heads) * ks + (n + r) * hd;
+        rotary_head(kn.data() + i * hd, cos + r * hd, sin + r * hd, hd, dst);
+        if (h >= heads) {
+          const T* vs = v.data() + r * nk + (h - heads) * hd;
+          std::copy(vs, vs + hd, vc + (h - heads) * ks + (n + r) * hd);
+        }
+      }
+      sync();
+      // 4. attention over the first n + m positions
+      const int64_t keys_n = n + m, tiles_n = (keys_n + LANES - 1) / LANES, dp = (hd + LANES - 1) / LANES * LANES;
+      float* kt = nullptr;
+#if !defined(LOSSLESS_V16_AVX512)
+      kt = tiles.data();
+      share(kvh * tiles_n, t, threads, 1, b, e);
+      build_tiles(static_cast<const T*>(kc), ks, keys_n, hd, tiles_n, b, e, kt);
+      sync();
+#endif
+      const Attention<T> plan = Attention<T>{qr.data(), kc, vc, a.data(), kt, ks, ks, heads, hd, dp, kvh, heads / kvh,
+                                             keys_n, tiles_n, 1, 1, static_cast<float>(L.scaling), &seen}
+                                    .with_items(m, threads);
+      share(m * kvh * plan.parts, t, threads, 1, b, e);
+      {
+        const FlushDenormals flush;
+        AttentionScratch scratch(hd);
+        for (int64_t i = b; i < e; ++i) plan.item(i, scratch);
+      }
+      sync();
+      // 5. o's input
+      share(m * rows_a.steps, t, threads, 1, b, e);
+      rows_a.fill_flat(a.data(), b, e);
+      sync();
+      // 6. o
+      linear(rows_a, {weight(L.packed_out[0], L.bias_out[0], hidden, o.data())}, t, threads);
+      sync();
+      // 7. residual, post-attention norm, by rows
+      share(m, t, threads, 1, b, e);
+      residual_norm(o.data(), L.norm_out, L.eps_out, xn.data(), rows_h, b, e);
+      sync();
+      // 8. gate and up
+      linear(rows_h, {weight(L.packed_out[1], L.bias_out[1], inter, g.data()),
+                      weight(L.packed_out[2], L.bias_out[2], inter, u.data())}, t, threads);
+      sync();
+      // 9. SiLU(gate) (the kernel's) * up (ATen's rounding), and down's input, by pair steps of the rows
+      share(m * rows_act.steps, t, threads, 1, b, e);
+      {
+        const int64_t per = PAIRED<T> ? 2 : 1, steps = rows_act.steps;  // columns per step
+        for (int64_t s0 = b; s0 < e;) {  // the steps of one row at a time
+          const int64_t r = s0 / steps, s1 = std::min(e, (r + 1) * steps);
+          const int64_t col0 = r * inter + (s0 - r * steps) * per, col1 = r * inter + std::min(inter, (s1 - r * steps) * per);
+          {
+            const FlushDenormals flush;
+            for (int64_t c = col0; c < col1; ++c) act[c] = silu_one(g[c]);
+          }
+          FloatMode::set(caller_mode);
+          for (int64_t c = col0; c < col1; ++c) act[c] = from_float<T>(to_float(act[c]) * to_float(u[c]));
+          rows_act.fill(act.data(), r, s0 - r * steps, s1 - r * steps);
+          s0 = s1;
+        }
+      }
+      sync();
+      // 10. down
+      linear(rows_act, {weight(L.packed_out[3], L.bias_out[3], hidden, d.data())}, t, threads);
+      sync();
+    }
+    // the last layer's MLP residual
+    share(m, t, threads, 1, b, e);
+    FloatMode::set(caller_mode);
+    for (int64_t i = b * hidden; i < e * hidden; ++i) x[i] = from_float<T>(to_float(x[i]) + to_float(d[i]));
   }
 };
+
+template <typename T>
+at::Tensor stack_forward(const Stack& s, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& visible, const std::vector<at::Tensor>& keys,
+                         const std::vector<at::Tensor>& values, int64_t n) {
+  StackRun<T> run(s, x, cos, sin, visible, keys, values, n);
+  const int64_t m = run.m;
+  int64_t inter = 0, nq = 0;
+  for (const Stack::Layer& L : s.layers) {
+    inter = std::max(inter, L.n_out[1]);
+    nq = std::max(nq, L.n_in[0]);
+  }
+  run.rows_in.resize(m, run.hidden);
+  run.rows_h.resize(m, run.hidden);
+  run.rows_a.resize(m, nq);
+  run.rows_act.resize(m, inter);
+  const int threads = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(threads)
+  {
+    const uint64_t own = FloatMode::get();
+#pragma omp single
+    run.barrier.n = omp_get_num_threads();
+    run.run(omp_get_thread_num(), omp_get_num_threads());
+    FloatMode::set(own);
+  }
+  return at::from_blob(run.x.data(), {m, run.hidden}, x.options()).clone();
+}
+
+inline at::Tensor Stack::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                 const at::Tensor& visible, const std::vector<at::Tensor>& keys,
+                                 const std::vector<at::Tensor>& values, int64_t n) const {
+  TORCH_CHECK(!layers.empty(), "Stack.forward: no layers");
+  const Layer& first = layers[0];
+  const int64_t m = x.size(0), d = first.head_dim, kvh = first.n_in[1] / d;
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == first.norm_in.size(0) && x.scalar_type() == first.norm_in.scalar_type(),
+              "Stack.forward: x [rows, hidden] of the layers' dtype");
+  for (const at::Tensor* t : {&cos, &sin}) {
+    check_cpu(*t, "cos/sin");
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == m && t->size(1) == d && t->scalar_type() == x.scalar_type(),
+                "Stack.forward: cos/sin [rows, head_dim] of x's dtype");
+  }
+  check_cpu(visible, "visible");
+  TORCH_CHECK(n >= 0 && visible.scalar_type() == at::kBool && visible.dim() == 2 && visible.size(0) == m &&
+                  visible.size(1) == n + m, "Stack.forward: visible [rows, cache + rows] bool");
+  TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(),
+              "Stack.forward: one key and one value buffer per layer");
+  for (size_t l = 0; l < layers.size(); ++l)
+    for (const at::Tensor* t : {&keys[l], &values[l]}) {
+      check_cpu(*t, "cache buffer");
+      TORCH_CHECK(t->dim() == 4 && t->size(0) == 1 && t->size(1) == kvh && t->size(2) >= n + m && t->size(3) == d &&
+                      t->scalar_type() == x.scalar_type() && t->sizes() == keys[l].sizes(),
+                  "Stack.forward: cache buffers [1, kv, cap >= cache + rows, head_dim] of x's dtype");
+    }
+  DISPATCH(x.scalar_type(), "Stack.forward", return stack_forward<scalar>(*this, x, cos, sin, visible, keys, values, n));
+  return at::Tensor();
+}

@@ -31,11 +31,15 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <omp.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -67,6 +71,41 @@ struct FlushDenormals {
 #endif
   FlushDenormals(const FlushDenormals&) = delete;
   FlushDenormals& operator=(const FlushDenormals&) = delete;
+};
+
+// The floating-point mode of the calling thread (MXCSR; AArch64: FPCR), to run other threads' elementwise work
+// under the rules ATen's ops would have in the caller.
+struct FloatMode {
+#if defined(LOSSLESS_X86)
+  static uint64_t get() { return _mm_getcsr(); }
+  static void set(uint64_t m) { _mm_setcsr(static_cast<unsigned>(m)); }
+#else
+  static uint64_t get() { uint64_t m; __asm__ __volatile__("mrs %0, fpcr" : "=r"(m)); return m; }
+  static void set(uint64_t m) { __asm__ __volatile__("msr fpcr, %0" : : "r"(m)); }
+#endif
+};
+
+// A barrier for the threads of one parallel region: each waits, spinning, until all n have arrived. `local`
+// is the waiting thread's own sense (starts at 0).
+struct SpinBarrier {
+  std::atomic<int> count{0}, sense{0};
+  int n = 1;
+  void wait(int& local) {
+    local ^= 1;
+    if (count.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+      count.store(0, std::memory_order_relaxed);
+      sense.store(local, std::memory_order_release);
+      return;
+    }
+    for (int64_t spins = 0; sense.load(std::memory_order_acquire) != local; ++spins) {
+#if defined(LOSSLESS_X86)
+      _mm_pause();
+#else
+      __asm__ __volatile__("yield");
+#endif
+      if (spins > 100000) std::this_thread::yield();  // more threads than cores: let the others run
+    }
+  }
 };
 
 void check_cpu(const at::Tensor& t, const char* what) {
