@@ -71,6 +71,85 @@ def test_every_variant_and_thread_count_gives_the_same_bits(dtype, data):
         torch.set_num_threads(before)
 
 
+def nan_bits(t: torch.Tensor) -> torch.Tensor:
+    """The bits of `t` with every NaN as one NaN."""
+    return bits(torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t))
+
+
+def random_layers(dtype, make, layers: int, qk_norm: bool, bias: bool):
+    """Stack.add's arguments for `layers` decoder layers of odd widths (hidden 37, 4 heads and 2 kv heads of 10,
+    MLP 45), every tensor drawn by `make(shape)`."""
+    hidden, d, heads, kv, inter = 37, 10, 4, 2, 45
+    empty = torch.empty(0, dtype=dtype)
+    out = []
+    for _ in range(layers):
+        shapes_in, shapes_out = [(heads * d, hidden), (kv * d, hidden), (kv * d, hidden)], \
+            [(hidden, heads * d), (inter, hidden), (inter, hidden), (hidden, inter)]
+        packed = lambda shapes: [kernels.pack_weight(make(s)) for s in shapes]  # noqa: E731
+        biases = lambda shapes: [make((s[0],)) if bias else empty for s in shapes]  # noqa: E731
+        norms = [make((d,)) if qk_norm else empty for _ in range(2)]
+        out.append((make((hidden,)), 1e-5, packed(shapes_in), biases(shapes_in), [s[0] for s in shapes_in], *norms,
+                    1e-6, d, d ** -0.5, packed(shapes_out), biases(shapes_out), [s[0] for s in shapes_out],
+                    make((hidden,)), 1e-5))
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@settings(max_examples=8, **SLOW)
+@given(data=st.data())
+def test_the_layer_stack_gives_the_bits_of_the_layer_calls(dtype, data):
+    """One Stack call (all layers in one parallel region, the threads meeting at barriers) gives bit for bit the
+    output and the cache rows of `layer_in`, the cache update and `layer_out` called layer by layer, for every
+    variant and thread count: rows 1 to 13 over caches of 0 to 40 positions, any visibility, q/k norms and
+    biases or none, values from subnormals up. (A NaN is compared as a NaN, whatever its sign and payload: the
+    elementwise steps round as ATen does, and ATen's own paths disagree on a NaN's bits.)"""
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    top = 4 if dtype == torch.float16 else 8  # huge values overflow two layers into NaNs: subnormals up to 2^top
+    spread = data.draw(st.booleans(), label="whole exponent range")
+    make = ((lambda s: (torch.randn(*s, generator=g) * 2.0 ** torch.randint(-140, top, s, generator=g).float()).to(dtype))
+            if spread else (lambda s: torch.randn(*s, generator=g).to(dtype)))
+    m, n = data.draw(st.integers(1, 13), label="rows"), data.draw(st.integers(0, 40), label="cache")
+    layers = random_layers(dtype, make, 2, data.draw(st.booleans(), label="qk norms"), data.draw(st.booleans(), label="bias"))
+    x, cos, sin = make((m, 37)), make((m, 10)), make((m, 10))
+    visible = torch.rand(m, n + m, generator=g) < 0.8
+    cap = n + m + data.draw(st.integers(0, 5), label="room")
+    caches = [(make((1, 2, cap, 10)), make((1, 2, cap, 10))) for _ in layers]
+
+    def by_layers():
+        h, rows = x, []
+        for args, cache in zip(layers, caches):
+            keys, values = (c.clone() for c in cache)
+            q, k, v = kernels.layer_in(h, cos, sin, *args[:9])
+            keys[:, :, n:n + m], values[:, :, n:n + m] = k, v
+            h = kernels.layer_out(h, q, keys[0, :, :n + m], values[0, :, :n + m], visible, args[9], *args[10:])
+            rows += [keys[:, :, n:n + m], values[:, :, n:n + m]]
+        return [h, *rows]
+
+    def stacked():
+        stack = kernels.stack()
+        for args in layers:
+            stack.add(*args)
+        buffers = [(k.clone(), v.clone()) for k, v in caches]
+        h = stack.forward(x, cos, sin, visible, [b[0] for b in buffers], [b[1] for b in buffers], n)
+        for (k, v), (k0, v0) in zip(buffers, caches):  # nothing but positions n..n+m-1 written
+            assert torch.equal(bits(k[:, :, :n]), bits(k0[:, :, :n])) and torch.equal(bits(k[:, :, n + m:]), bits(k0[:, :, n + m:]))
+            assert torch.equal(bits(v[:, :, :n]), bits(v0[:, :, :n]))
+        return [h, *(t[:, :, n:n + m] for b in buffers for t in b)]
+
+    want = [nan_bits(t) for t in by_layers()]
+    assert any(bool(torch.isfinite(t).any()) for t in by_layers())  # not all NaN: the values stay in range
+    before = torch.get_num_threads()
+    try:
+        for isa in VARIANTS:
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                with kernels.use_isa(isa):
+                    for i, (a, b) in enumerate(zip(stacked(), want)):
+                        assert torch.equal(nan_bits(a), b), (isa, threads, i)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("isa", VARIANTS)
 def test_stream_reads_every_word_of_every_tensor(isa):
     """The floor benchmark's read: one set bit anywhere, in any tensor of odd size, shows in the result."""
