@@ -206,6 +206,20 @@ bool choose_bf16_path() {
 
 bool bf16_widened() { return widen_bf16(); }
 
+inline bool& tall_blocks() { static bool on = true; return on; }
+
+// Whether calls of more than RB bf16 rows run tall blocks (the variant with the dot-product instruction); returns
+// the setting in force. Speed only: the same bits either way.
+bool set_tall_blocks(bool on) {
+#if defined(LOSSLESS_DPBF16)
+  tall_blocks() = on;
+  return tall_blocks();
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 // Choose the widened path where there is a choice (the variant with the dot-product instruction); returns the
 // path in force. Either gives the same bits: this is a matter of speed only.
 bool set_widen_bf16(bool on) {
@@ -270,31 +284,55 @@ struct Rows {
   }
 };
 
+// steps ahead of the one computing that a block asks the cache for (one 64-byte line per panel and step): the
+// hardware's prefetcher alone leaves a block of many rows waiting on memory
+#ifndef LOSSLESS_PREFETCH
+#define LOSSLESS_PREFETCH 32  // about 2 KB ahead at 64 bytes a step
+#endif
+constexpr int64_t PREFETCH = LOSSLESS_PREFETCH;
+
+// Ask for the weights a block will read: blocks of up to RB rows (each weight vector feeds RB x JB products)
+// PREFETCH steps ahead in their own panels, into L1; tall blocks (2 panels, the dot-product variant) the next two
+// panels' line at this step, into L2, so the memory streams while a block that reads from cache computes and
+// the next block finds its panels there. (A prefetch past the weights' end is harmless: it never faults.)
+template <int J>
+inline void prefetch_panels(const uint32_t* w, int64_t steps) {
+#if defined(LOSSLESS_DPBF16)
+  if constexpr (J == 2) {
+    for (int j = 0; j < J; ++j) __builtin_prefetch(w + (J + j) * steps * LANES, 0, 2);
+    return;
+  }
+#endif
+#pragma GCC unroll 4
+  for (int j = 0; j < J; ++j) __builtin_prefetch(w + (j * steps + PREFETCH) * LANES, 0, 3);
+}
+
 template <int R, int J, typename T>
 inline void panel_block(const Rows<T>& x, int64_t r0, const T* panels, int64_t n, int64_t p0, T* out,
                         const T* bias) {
   // every loop over r or j is unrolled, so the accumulators stay in registers
   const int64_t steps = x.steps;
   V16 acc[R][J];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int j = 0; j < J; ++j) acc[r][j] = V16::zero();
   for (int64_t i = 0; i < steps; ++i) {
     if constexpr (PAIRED<T>) {
       const uint32_t* w = reinterpret_cast<const uint32_t*>(panels) + (p0 * steps + i) * LANES;
+      prefetch_panels<J>(w, steps);
 #if defined(LOSSLESS_DPBF16)
       __m512i wv[J];
 #pragma GCC unroll 4
       for (int j = 0; j < J; ++j) wv[j] = _mm512_loadu_si512(w + j * steps * LANES);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         const uint32_t xr = x.pairs[(r0 + r) * steps + i];
 #pragma GCC unroll 4
         for (int j = 0; j < J; ++j) acc[r][j] = acc[r][j].dot_pairs(xr, wv[j]);
       }
 #else
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         const uint32_t xr = x.pairs[(r0 + r) * steps + i];
 #pragma GCC unroll 4
@@ -305,7 +343,7 @@ inline void panel_block(const Rows<T>& x, int64_t r0, const T* panels, int64_t n
       V16 w[J];
 #pragma GCC unroll 4
       for (int j = 0; j < J; ++j) w[j] = V16::load(panels + ((p0 + j) * steps + i) * LANES);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         const V16 xb = V16::splat(x.f[(r0 + r) * steps + i]);
 #pragma GCC unroll 4
@@ -320,7 +358,7 @@ inline void panel_block(const Rows<T>& x, int64_t r0, const T* panels, int64_t n
 template <int R, int J, typename T>
 inline void store_block(V16 (&acc)[R][J], int64_t r0, int64_t n, int64_t p0, T* out, const T* bias) {
   float buf[LANES];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int j = 0; j < J; ++j) {
@@ -341,7 +379,7 @@ inline void panel_block_widened(const Rows<at::BFloat16>& x, int64_t r0, const a
   const int64_t steps = x.steps;
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   V16 acc[R][J];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int j = 0; j < J; ++j) acc[r][j] = V16::zero();
@@ -354,7 +392,7 @@ inline void panel_block_widened(const Rows<at::BFloat16>& x, int64_t r0, const a
       even[j] = {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))};
       odd[j] = {_mm512_castsi512_ps(_mm512_and_si512(v, high))};
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const float* xp = x.f.data() + ((r0 + r) * steps + i) * 2;
       const V16 xo = V16::splat(xp[0]), xe = V16::splat(xp[1]);
@@ -375,7 +413,21 @@ inline void widened_rows(int rows, const Rows<at::BFloat16>& x, int64_t r, const
 }
 #endif
 
-// a block of `rows` (1..RB, widened 1..RW) rows from row r through panels p..p+J-1
+#if defined(LOSSLESS_DPBF16)
+// Tall blocks: up to RT rows through 2 panels (24 accumulators, as RB x JB): a call of more than RB rows reads
+// each weight vector for twice as many rows while it streams from memory, so fewer rows are left for blocks
+// that read the panels again from cache.
+constexpr int RT = 12;
+template <int R, int J>
+inline void tall_rows(int rows, const Rows<at::BFloat16>& x, int64_t r, const at::BFloat16* panels, int64_t n,
+                      int64_t p, at::BFloat16* out, const at::BFloat16* bias) {
+  if (rows == R) return panel_block<R, J>(x, r, panels, n, p, out, bias);
+  if constexpr (R > RB + 1) return tall_rows<R - 1, J>(rows, x, r, panels, n, p, out, bias);
+  TORCH_CHECK(false, "tall_rows: ", rows, " rows");
+}
+#endif
+
+// a block of `rows` (1..RB, widened 1..RW, tall RB+1..RT) rows from row r through panels p..p+J-1
 template <int J, typename T>
 inline void panel_rows(int rows, const Rows<T>& x, int64_t r, const T* panels, int64_t n, int64_t p, T* out,
                        const T* bias) {
@@ -385,6 +437,11 @@ inline void panel_rows(int rows, const Rows<T>& x, int64_t r, const T* panels, i
       widened_rows<RW, J>(rows, x, r, panels, n, p, out, bias);
       return;
     }
+  }
+#endif
+#if defined(LOSSLESS_DPBF16)
+  if constexpr (PAIRED<T> && J <= 2) {
+    if (rows > RB) return tall_rows<RT, J>(rows, x, r, panels, n, p, out, bias);
   }
 #endif
   switch (rows) {
@@ -404,9 +461,10 @@ inline void panel_rows(int rows, const Rows<T>& x, int64_t r, const T* panels, i
 template <typename T> constexpr int block_rows() { return PAIRED<T> ? RB : 4; }
 
 template <int J, typename T>
-inline void panel_all_rows(const Rows<T>& x, int64_t m, const T* panels, int64_t n, int64_t p, T* out, const T* bias) {
+inline void panel_all_rows(const Rows<T>& x, int64_t m, const T* panels, int64_t n, int64_t p, T* out, const T* bias,
+                           int64_t most) {
   // every row block reads these J panels while they sit in L2: the weights leave memory once per call
-  const int64_t most = x.widened ? RW : block_rows<T>(), blocks = (m + most - 1) / most;
+  const int64_t blocks = (m + most - 1) / most;
   int64_t r = 0;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t rows = (m - r) / (blocks - b);  // the rows left, split evenly over the blocks left
@@ -420,11 +478,22 @@ template <typename T>
 inline void panel_range(const Rows<T>& rows, int64_t m, const T* wp, int64_t n, int64_t p0, int64_t p1, T* op,
                         const T* bp) {
   int64_t p = p0;
-  if (rows.widened)
-    for (; p + JW <= p1; p += JW) panel_all_rows<JW>(rows, m, wp, n, p, op, bp);
-  else
-    for (; p + JB <= p1; p += JB) panel_all_rows<JB>(rows, m, wp, n, p, op, bp);
-  for (; p < p1; ++p) panel_all_rows<1>(rows, m, wp, n, p, op, bp);
+  const int64_t most = rows.widened ? RW : block_rows<T>();
+  if (rows.widened) {
+    for (; p + JW <= p1; p += JW) panel_all_rows<JW>(rows, m, wp, n, p, op, bp, most);
+  } else {
+#if defined(LOSSLESS_DPBF16)
+    if constexpr (PAIRED<T>) {
+      if (m > RB && tall_blocks()) {
+        for (; p + 2 <= p1; p += 2) panel_all_rows<2>(rows, m, wp, n, p, op, bp, RT);
+        for (; p < p1; ++p) panel_all_rows<1>(rows, m, wp, n, p, op, bp, RT);
+        return;
+      }
+    }
+#endif
+    for (; p + JB <= p1; p += JB) panel_all_rows<JB>(rows, m, wp, n, p, op, bp, most);
+  }
+  for (; p < p1; ++p) panel_all_rows<1>(rows, m, wp, n, p, op, bp, most);
 }
 
 // one packed weight of a call: its panels, outputs, where they go and its bias (or null)
