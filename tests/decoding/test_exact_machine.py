@@ -100,7 +100,8 @@ def random_layers(dtype, make, layers: int, qk_norm: bool, bias: bool):
 def test_the_layer_stack_gives_the_bits_of_the_layer_calls(dtype, data):
     """One Stack call (all layers in one parallel region, the threads meeting at barriers) gives bit for bit the
     output and the cache rows of `layer_in`, the cache update and `layer_out` called layer by layer, for every
-    variant and thread count: rows 1 to 13 over caches of 0 to 40 positions, any visibility, q/k norms and
+    variant and thread count: rows 1 to 13 over caches of 0 to 40 positions whose key tiles hold any prefix
+    of them (the kernel makes the rest from the keys), any visibility, q/k norms and
     biases or none, values from subnormals up. (A NaN is compared as a NaN, whatever its sign and payload: the
     elementwise steps round as ATen does, and ATen's own paths disagree on a NaN's bits.)"""
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
@@ -114,6 +115,7 @@ def test_the_layer_stack_gives_the_bits_of_the_layer_calls(dtype, data):
     visible = torch.rand(m, n + m, generator=g) < 0.8
     cap = n + m + data.draw(st.integers(0, 5), label="room")
     caches = [(make((1, 2, cap, 10)), make((1, 2, cap, 10))) for _ in layers]
+    valid = data.draw(st.integers(0, n), label="positions the key tiles hold")
 
     def by_layers():
         h, rows = x, []
@@ -130,7 +132,17 @@ def test_the_layer_stack_gives_the_bits_of_the_layer_calls(dtype, data):
         for args in layers:
             stack.add(*args)
         buffers = [(k.clone(), v.clone()) for k, v in caches]
-        h = stack.forward(x, cos, sin, visible, [b[0] for b in buffers], [b[1] for b in buffers], n)
+        # key tiles valid for the first `valid` positions, garbage after: the kernel makes the rest
+        tiles = [torch.randint(-2**31, 2**31 - 1, (2, -(-cap // 16), 5 if dtype != torch.float32 else 10, 16),
+                               generator=g, dtype=torch.int32) for _ in layers]
+        for t, (k, _) in zip(tiles, caches):
+            for pos in range(valid):
+                words = k[0, :, pos].contiguous().view(torch.int32 if dtype == torch.float32 else torch.int16)
+                if dtype != torch.float32:
+                    words = (words[:, 0::2].to(torch.int32) & 0xFFFF) | (words[:, 1::2].to(torch.int32) << 16)
+                t[:, pos // 16, :, pos % 16] = words
+        h = stack.forward(x, cos, sin, visible, [b[0] for b in buffers], [b[1] for b in buffers], tiles,
+                          [valid] * len(layers), n)
         for (k, v), (k0, v0) in zip(buffers, caches):  # nothing but positions n..n+m-1 written
             assert torch.equal(bits(k[:, :, :n]), bits(k0[:, :, :n])) and torch.equal(bits(k[:, :, n + m:]), bits(k0[:, :, n + m:]))
             assert torch.equal(bits(v[:, :, :n]), bits(v0[:, :, :n]))

@@ -20,6 +20,11 @@ class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` whose `keys`/`values` [b, kv, n, d] are the first n positions of buffers [b, kv, cap, d]."""
 
     _buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    # exact mode's key tiles (`key_tiles`): the keys again in the layout attention reads, valid for the first
+    # `_tiles_valid` positions as long as the key buffer's version is `_tiles_version` (any other write moves it)
+    _tiles: torch.Tensor | None = None
+    _tiles_valid: int = 0
+    _tiles_version: int = -1
 
     def _views_buffer(self) -> bool:
         if self._buffers is None or self.keys is None or self.keys.numel() == 0:
@@ -37,7 +42,9 @@ class GrowingLayer(DynamicLayer):
         if not fits:
             self._grow(n, q, key_states, value_states)
         keys, values = self._buffers
+        current = self._tiles_current()
         keys[:, :, n:n + q] = key_states
+        self.keys_rewritten(n, current)
         values[:, :, n:n + q] = value_states
         self.keys, self.values = keys[:, :, :n + q], values[:, :, :n + q]
         return self.keys, self.values
@@ -51,7 +58,7 @@ class GrowingLayer(DynamicLayer):
         if n:
             fresh[0][:, :, :n] = self.keys
             fresh[1][:, :, :n] = self.values
-        self._buffers = fresh
+        self._buffers, self._tiles = fresh, None
 
     def room(self, q: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The buffers [b, kv, cap, d], grown (as `update` grows them) to hold q positions past the cache's end,
@@ -77,6 +84,32 @@ class GrowingLayer(DynamicLayer):
         n = self.keys.shape[2] + q
         self.keys, self.values = self._buffers[0][:, :, :n], self._buffers[1][:, :, :n]
 
+    def _tiles_current(self) -> bool:
+        return self._tiles is not None and self._buffers is not None and \
+            self._buffers[0]._version == self._tiles_version
+
+    def keys_rewritten(self, start: int, current: bool) -> None:
+        """Positions from `start` on were written by Python (`current`: the tiles were valid before): the tiles
+        stay valid below `start` (else they are made again in full by the next forward that reads them)."""
+        if current:
+            self._tiles_valid = min(self._tiles_valid, start)
+            self._tiles_version = self._buffers[0]._version
+
+    def key_tiles(self, steps: int) -> tuple[torch.Tensor, int]:
+        """(tiles [kv, cap / 16, steps, 16] int32 for the buffers' every position, how many of the first positions
+        they hold correctly) for a forward that writes positions from the cache's end on (`room` first)."""
+        keys = self._buffers[0]
+        b, kv, cap, _ = keys.shape
+        shape = (kv, -(-cap // 16), steps, 16)
+        if self._tiles is None or tuple(self._tiles.shape) != shape:
+            self._tiles, self._tiles_valid = torch.empty(shape, dtype=torch.int32, device=keys.device), 0
+        valid = min(self._tiles_valid, self.keys.shape[2]) if self._tiles_current() else 0
+        return self._tiles, valid
+
+    def tiles_written(self, valid: int) -> None:
+        """A forward left the tiles correct for the first `valid` positions."""
+        self._tiles_valid, self._tiles_version = valid, self._buffers[0]._version
+
     def update_aside(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """The cache's keys and values followed by these [b, kv, q, d], without adding them to the cache: they are
         written into the buffers' room past its end (the next update writes over them), so a pass that reads
@@ -87,7 +120,7 @@ class GrowingLayer(DynamicLayer):
         return keys, values
 
     def reset(self) -> None:
-        self._buffers = None
+        self._buffers, self._tiles = None, None
         super().reset()
 
 

@@ -368,11 +368,15 @@ class FusedStackMixin:
             visible = torch.ones(q, n + q, dtype=torch.bool, device=embeds.device)
         else:
             visible = _visibility(attention_mask, q, n + q, embeds.device)
+        steps = (attn.head_dim + 1) // 2 if embeds.element_size() == 2 else attn.head_dim
+        tiles = [layer.key_tiles(steps) for layer in cache.layers]
         hidden = stack.forward(embeds[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(), visible,
-                               [b[0] for b in buffers], [b[1] for b in buffers], n)
-        if draft is None:
-            for layer in cache.layers:
+                               [b[0] for b in buffers], [b[1] for b in buffers], [t[0] for t in tiles],
+                               [t[1] for t in tiles], n)
+        for layer in cache.layers:  # the tiles hold the cache's positions now (and a draft's rows past its end)
+            if draft is None:
                 layer.extend(q)
+            layer.tiles_written(n + q if draft is None else n)
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden[None]), cache=cache)

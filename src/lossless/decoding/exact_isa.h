@@ -636,6 +636,45 @@ inline void score_keys(const float* q, int64_t d, const T* keys, int64_t n, int6
 }
 #endif
 
+#if defined(LOSSLESS_V16_AVX512)
+// The same scores from the cache's key tiles of two-byte keys: B consecutive tiles [d / 2, 16] of uint32 pairs
+// (key element 2t in the low half, 2t + 1 in the high half; d even), each widened exactly as score_keys widens
+// its gathers, so the same chains and bits with plain loads.
+template <int G, int B, typename T>
+inline void score_pair_tiles(const float* q, int64_t d, const uint32_t* tiles, float* out, int64_t stride) {
+  const int64_t steps = d / 2;
+  V16 acc[G][B];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) acc[g][b] = V16::zero();
+  for (int64_t i = 0; i < steps; ++i) {
+    V16 even[B], odd[B];
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) {
+      const __m512i w = _mm512_loadu_si512(tiles + (b * steps + i) * LANES);
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        even[b] = {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+        odd[b] = {_mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+      } else {
+        even[b] = {_mm512_cvtph_ps(_mm512_cvtepi32_epi16(w))};
+        odd[b] = {_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)))};
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const V16 qe = V16::splat(q[g * d + 2 * i]), qo = V16::splat(q[g * d + 2 * i + 1]);
+#pragma GCC unroll 4
+      for (int b = 0; b < B; ++b) acc[g][b] = acc[g][b].fma(qe, even[b]).fma(qo, odd[b]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) acc[g][b].store(out + g * stride + b * LANES);
+}
+#endif
+
 // C chunks of 16 head-dim lanes, t0 .. t0 + 16C, of G output rows (heads sharing these values; head g's scores at
 // scores + g * stride): for each lane, one fma chain over the visible keys in key order (score_j * v_j[t]); the
 // G * C chains advance side by side and share each load, never merged. `v` holds the values as rows of d, read
@@ -664,16 +703,28 @@ inline void weighted_values(const float* scores, int64_t stride, const std::vect
 template <int G, typename T>
 inline void attend_heads(const float* qf, int64_t d, int64_t dp, const float* kt, const T* kk, int64_t n, const T* vk,
                          const std::vector<int32_t>& seen, float scale, std::vector<float>& all,
-                         std::vector<float>& scores, std::vector<float>& acc, float* total) {
+                         std::vector<float>& scores, std::vector<float>& acc, float* total, const uint32_t* kc = nullptr) {
   const int64_t used = seen.back() / LANES + 1, stride = used * LANES;
   all.resize(static_cast<size_t>(G * stride));
   int64_t tile = 0;
   constexpr int B = G <= 2 ? 4 : (G == 3 ? 4 : 3);  // G * B accumulators within the 32 (AVX-512) registers
 #if defined(LOSSLESS_V16_AVX512)
   (void)kt;
-  for (; tile + B <= used; tile += B) score_keys<G, B>(qf, d, kk, n, tile * LANES, all.data() + tile * LANES, stride);
-  for (; tile < used; ++tile) score_keys<G, 1>(qf, d, kk, n, tile * LANES, all.data() + tile * LANES, stride);
+  if (kc != nullptr && std::is_same_v<T, float>) {  // the cache's own key tiles: fp32 [tile, d, 16]
+    const float* ft = reinterpret_cast<const float*>(kc);
+    for (; tile + B <= used; tile += B) score_tiles<G, B>(qf, d, ft + tile * d * LANES, all.data() + tile * LANES, stride);
+    for (; tile < used; ++tile) score_tiles<G, 1>(qf, d, ft + tile * d * LANES, all.data() + tile * LANES, stride);
+  } else if (kc != nullptr && d % 2 == 0) {  // pairs [tile, d / 2, 16]
+    const int64_t steps = d / 2;
+    for (; tile + B <= used; tile += B)
+      score_pair_tiles<G, B, T>(qf, d, kc + tile * steps * LANES, all.data() + tile * LANES, stride);
+    for (; tile < used; ++tile) score_pair_tiles<G, 1, T>(qf, d, kc + tile * steps * LANES, all.data() + tile * LANES, stride);
+  } else {
+    for (; tile + B <= used; tile += B) score_keys<G, B>(qf, d, kk, n, tile * LANES, all.data() + tile * LANES, stride);
+    for (; tile < used; ++tile) score_keys<G, 1>(qf, d, kk, n, tile * LANES, all.data() + tile * LANES, stride);
+  }
 #else
+  (void)kc;
   (void)kk;
   (void)n;
   for (; tile + B <= used; tile += B)
@@ -725,6 +776,8 @@ struct Attention {
   int64_t ks, vs, h, d, dp, kvh, groups, n, tiles, per, parts;
   float scale;
   const std::vector<std::vector<int32_t>>* keys;  // each row's visible keys, in cache order
+  const uint32_t* kc = nullptr;  // the cache's key tiles (`KeyTiles`), kv head j at kc + j * kcs, else null
+  int64_t kcs = 0;
 
   Attention with_items(int64_t rows, int threads) const {
     Attention a = *this;
@@ -743,13 +796,14 @@ struct Attention {
     }
     for (int64_t e = 0; e < g_count * d; ++e) s.qf[e] = to_float(qp[(row * h + h0) * d + e]);
     const float* ktk = kt == nullptr ? nullptr : kt + kv * tiles * d * LANES;
+    const uint32_t* kck = kc == nullptr ? nullptr : kc + kv * kcs;
     const T* vk = vp + kv * vs;
     const T* kk = kp + kv * ks;
     switch (g_count) {
-      case 1: attend_heads<1>(s.qf.data(), d, dp, ktk, kk, n, vk, seen, scale, s.all, s.scores, s.acc, s.total); break;
-      case 2: attend_heads<2>(s.qf.data(), d, dp, ktk, kk, n, vk, seen, scale, s.all, s.scores, s.acc, s.total); break;
-      case 3: attend_heads<3>(s.qf.data(), d, dp, ktk, kk, n, vk, seen, scale, s.all, s.scores, s.acc, s.total); break;
-      default: attend_heads<4>(s.qf.data(), d, dp, ktk, kk, n, vk, seen, scale, s.all, s.scores, s.acc, s.total); break;
+      case 1: attend_heads<1>(s.qf.data(), d, dp, ktk, kk, n, vk, seen, scale, s.all, s.scores, s.acc, s.total, kck); break;
+      case 2: attend_heads<2>(s.qf.data(), d, dp, ktk, kk, n, vk, seen, scale, s.all, s.scores, s.acc, s.total, kck); break;
+      case 3: attend_heads<3>(s.qf.data(), d, dp, ktk, kk, n, vk, seen, scale, s.all, s.scores, s.acc, s.total, kck); break;
+      default: attend_heads<4>(s.qf.data(), d, dp, ktk, kk, n, vk, seen, scale, s.all, s.scores, s.acc, s.total, kck); break;
     }
     for (int64_t g = 0; g < g_count; ++g) {
       T* o = op + (row * h + h0 + g) * d;
@@ -1073,9 +1127,30 @@ struct Stack {
 
   // x [m, hidden] at positions with cos/sin [m, d]; visible [m, n + m]; keys/values: one buffer [1, kv, cap, d]
   // per layer, cap >= n + m, holding the cache's n positions. Returns the last layer's output [m, hidden].
+  // tiles: each layer's key tiles [kv, tiles >= (n + m) / 16, steps, 16] int32 (`write_tile`), valid for its first
+  // `valid` positions: the rest up to n are made from the cache's keys, the m new rows' written.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& visible,
-                     const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values, int64_t n) const;
+                     const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                     const std::vector<at::Tensor>& tiles, const std::vector<int64_t>& valid, int64_t n) const;
 };
+
+// The cache's keys kept a second time as tiles, for attention's scores to read with plain loads: per kv head,
+// tiles of 16 positions, [kv, tiles, steps, 16] 32-bit words, position p's step i at lane p % 16 of tile p / 16;
+// a step is one fp32 key element, or for two-byte keys a pair (element 2i low, 2i + 1 high; zero past d).
+template <typename T> constexpr int64_t tile_steps(int64_t d) { return sizeof(T) == 2 ? (d + 1) / 2 : d; }
+inline uint32_t word_of(float v) { return __builtin_bit_cast(uint32_t, v); }
+inline uint32_t word_of(at::BFloat16 v) { return v.x; }
+inline uint32_t word_of(at::Half v) { return v.x; }
+template <typename T>
+inline void write_tile(uint32_t* tiles, int64_t tcap, int64_t kv, int64_t pos, const T* key, int64_t d) {
+  uint32_t* w = tiles + ((kv * tcap + pos / LANES) * tile_steps<T>(d)) * LANES + pos % LANES;
+  if constexpr (sizeof(T) == 2) {
+    for (int64_t i = 0; 2 * i < d; ++i)
+      w[i * LANES] = word_of(key[2 * i]) | (2 * i + 1 < d ? word_of(key[2 * i + 1]) << 16 : 0u);
+  } else {
+    for (int64_t i = 0; i < d; ++i) w[i * LANES] = word_of(key[i]);
+  }
+}
 
 template <typename T>
 struct StackRun {
@@ -1085,18 +1160,21 @@ struct StackRun {
   const T* sin;
   const std::vector<at::Tensor>& keys;
   const std::vector<at::Tensor>& values;
+  const std::vector<at::Tensor>& tiles;  // the key tiles of each layer, valid for its first `valid` positions
+  const std::vector<int64_t>& valid;
   std::vector<std::vector<int32_t>> seen;  // each row's visible keys
   // scratch, shared by the threads: the hidden rows, normed rows, projections, attention, MLP
   std::vector<T> x, xn, q, k, v, qr, a, o, g, u, act, d, kn;
   Rows<T> rows_in, rows_a, rows_h, rows_act;
-  std::vector<float> tiles;  // key tiles (without AVX-512)
+  std::vector<float> kt_build;  // fp32 key tiles built per layer (without AVX-512)
   SpinBarrier barrier;
   uint64_t caller_mode;
 
   StackRun(const Stack& s, const at::Tensor& x0, const at::Tensor& c, const at::Tensor& sn, const at::Tensor& visible,
-           const std::vector<at::Tensor>& kb, const std::vector<at::Tensor>& vb, int64_t n_)
+           const std::vector<at::Tensor>& kb, const std::vector<at::Tensor>& vb, const std::vector<at::Tensor>& tb,
+           const std::vector<int64_t>& tv, int64_t n_)
       : stack(s), m(x0.size(0)), n(n_), hidden(x0.size(1)), cos(c.data_ptr<T>()), sin(sn.data_ptr<T>()), keys(kb),
-        values(vb), seen(visible_keys(visible.data_ptr<bool>(), m, n_ + m)), caller_mode(FloatMode::get()) {
+        values(vb), tiles(tb), valid(tv), seen(visible_keys(visible.data_ptr<bool>(), m, n_ + m)), caller_mode(FloatMode::get()) {
     int64_t nq = 0, nk = 0, inter = 0, d_max = 0, tiles_max = 0;
     for (const Stack::Layer& L : s.layers) {
       nq = std::max(nq, L.n_in[0]);
@@ -1111,7 +1189,7 @@ struct StackRun {
     q.resize(m * nq); qr.resize(m * nq); a.resize(m * nq); k.resize(m * nk); v.resize(m * nk); kn.resize(m * (nq + nk));
     g.resize(m * inter); u.resize(m * inter); act.resize(m * inter);
 #if !defined(LOSSLESS_V16_AVX512)
-    tiles.resize(static_cast<size_t>(tiles_max));
+    kt_build.resize(static_cast<size_t>(tiles_max));
 #else
     (void)tiles_max;
     (void)d_max;
@@ -1164,6 +1242,8 @@ struct StackRun {
       const int64_t cap = keys[l].size(2), ks = cap * hd;
       T* kc = keys[l].data_ptr<T>();
       T* vc = values[l].data_ptr<T>();
+      uint32_t* tc = reinterpret_cast<uint32_t*>(tiles[l].data_ptr<int32_t>());
+      const int64_t tcap = tiles[l].size(1), tstride = tcap * tile_steps<T>(hd) * LANES;
       // 1. (the previous layer's MLP residual) and the input norm, by rows
       share(m, t, threads, 1, b, e);
       residual_norm(l ? d.data() : nullptr, L.norm_in, L.eps_in, xn.data(), rows_in, b, e);
@@ -1192,22 +1272,30 @@ struct StackRun {
         T* dst = h < heads ? qr.data() + (r * heads + h) * hd : kc + (h - heads) * ks + (n + r) * hd;
         rotary_head(kn.data() + i * hd, cos + r * hd, sin + r * hd, hd, dst);
         if (h >= heads) {
+          write_tile(tc, tcap, h - heads, n + r, static_cast<const T*>(dst), hd);
           const T* vs = v.data() + r * nk + (h - heads) * hd;
           std::copy(vs, vs + hd, vc + (h - heads) * ks + (n + r) * hd);
         }
+      }
+      // the tiles of positions other code wrote since they were made, from the cache's keys
+      const int64_t stale = n - std::min(valid[l], n);
+      share(kvh * stale, t, threads, 1, b, e);
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t kv = i / stale, pos = n - stale + i % stale;
+        write_tile(tc, tcap, kv, pos, static_cast<const T*>(kc + kv * ks + pos * hd), hd);
       }
       sync();
       // 4. attention over the first n + m positions
       const int64_t keys_n = n + m, tiles_n = (keys_n + LANES - 1) / LANES, dp = (hd + LANES - 1) / LANES * LANES;
       float* kt = nullptr;
 #if !defined(LOSSLESS_V16_AVX512)
-      kt = tiles.data();
+      kt = kt_build.data();
       share(kvh * tiles_n, t, threads, 1, b, e);
       build_tiles(static_cast<const T*>(kc), ks, keys_n, hd, tiles_n, b, e, kt);
       sync();
 #endif
       const Attention<T> plan = Attention<T>{qr.data(), kc, vc, a.data(), kt, ks, ks, heads, hd, dp, kvh, heads / kvh,
-                                             keys_n, tiles_n, 1, 1, static_cast<float>(L.scaling), &seen}
+                                             keys_n, tiles_n, 1, 1, static_cast<float>(L.scaling), &seen, tc, tstride}
                                     .with_items(m, threads);
       share(m * kvh * plan.parts, t, threads, 1, b, e);
       {
@@ -1263,8 +1351,9 @@ struct StackRun {
 template <typename T>
 at::Tensor stack_forward(const Stack& s, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& visible, const std::vector<at::Tensor>& keys,
-                         const std::vector<at::Tensor>& values, int64_t n) {
-  StackRun<T> run(s, x, cos, sin, visible, keys, values, n);
+                         const std::vector<at::Tensor>& values, const std::vector<at::Tensor>& tiles,
+                         const std::vector<int64_t>& valid, int64_t n) {
+  StackRun<T> run(s, x, cos, sin, visible, keys, values, tiles, valid, n);
   const int64_t m = run.m;
   int64_t inter = 0, nq = 0;
   for (const Stack::Layer& L : s.layers) {
@@ -1289,7 +1378,8 @@ at::Tensor stack_forward(const Stack& s, const at::Tensor& x, const at::Tensor& 
 
 inline at::Tensor Stack::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                  const at::Tensor& visible, const std::vector<at::Tensor>& keys,
-                                 const std::vector<at::Tensor>& values, int64_t n) const {
+                                 const std::vector<at::Tensor>& values, const std::vector<at::Tensor>& tiles,
+                                 const std::vector<int64_t>& valid, int64_t n) const {
   TORCH_CHECK(!layers.empty(), "Stack.forward: no layers");
   const Layer& first = layers[0];
   const int64_t m = x.size(0), d = first.head_dim, kvh = first.n_in[1] / d;
@@ -1313,6 +1403,16 @@ inline at::Tensor Stack::forward(const at::Tensor& x, const at::Tensor& cos, con
                       t->scalar_type() == x.scalar_type() && t->sizes() == keys[l].sizes(),
                   "Stack.forward: cache buffers [1, kv, cap >= cache + rows, head_dim] of x's dtype");
     }
-  DISPATCH(x.scalar_type(), "Stack.forward", return stack_forward<scalar>(*this, x, cos, sin, visible, keys, values, n));
+  TORCH_CHECK(tiles.size() == layers.size() && valid.size() == layers.size(), "Stack.forward: key tiles and their "
+              "valid length per layer");
+  const int64_t steps = x.element_size() == 2 ? (d + 1) / 2 : d;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    check_cpu(tiles[l], "key tiles");
+    TORCH_CHECK(tiles[l].scalar_type() == at::kInt && tiles[l].dim() == 4 && tiles[l].size(0) == kvh &&
+                    tiles[l].size(1) * 16 >= n + m && tiles[l].size(2) == steps && tiles[l].size(3) == 16 && valid[l] >= 0,
+                "Stack.forward: key tiles [kv, tiles, steps, 16] int32 for cache + rows positions");
+  }
+  DISPATCH(x.scalar_type(), "Stack.forward",
+           return stack_forward<scalar>(*this, x, cos, sin, visible, keys, values, tiles, valid, n));
   return at::Tensor();
 }

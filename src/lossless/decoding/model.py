@@ -22,7 +22,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from . import exact
-from .cache import growing_cache
+from .cache import GrowingLayer, growing_cache
 from . import head as headfile
 from .loop import DecodeConfig, GenerationOutput, auto_cycle, block_size, decode
 from ..dtypes import dtype_name
@@ -262,8 +262,11 @@ class OrthrusLM(nn.Module):
             return
         for layer in cache.layers:
             index = torch.tensor(rows, device=layer.keys.device) + start
+            current = isinstance(layer, GrowingLayer) and layer._tiles_current()
             for tensor in (layer.keys, layer.values):
                 tensor[:, :, start: start + len(rows)] = tensor.index_select(2, index)
+            if isinstance(layer, GrowingLayer):
+                layer.keys_rewritten(start, current)
 
     def block_embeddings(self, anchor_ids: torch.Tensor, k: int) -> torch.Tensor:
         """Embeddings of blocks `[anchor, MASK x (k-1)]`: anchor_ids [n] -> [1, n*k, d]."""
