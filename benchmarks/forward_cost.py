@@ -39,7 +39,7 @@ import torch
 
 import lossless
 from lossless.decoding import kernels
-from lossless.decoding.exact import layer_modules
+from lossless.decoding.exact import FusedStackMixin, layer_modules
 from lossless.decoding.loop import commit_cache
 from lossless.errors import LosslessError
 
@@ -69,11 +69,22 @@ def labelled_exact_kernels():
                 return fn(*args, **kwargs)
         return call
 
+    class LabelledStack:  # a forward's layers in one kernel call (exact.FusedStackMixin)
+        def __init__(self, stack):
+            self.stack = stack
+
+        def forward(self, *args):
+            with record_function("exact::stack"):
+                return self.stack.forward(*args)
+
+    make_stack = FusedStackMixin._lossless_stack
     for name, fn in saved.items():
         setattr(kernels, name, wrap(name, fn))
+    FusedStackMixin._lossless_stack = lambda self, draft: LabelledStack(make_stack(self, draft))
     try:
         yield
     finally:
+        FusedStackMixin._lossless_stack = make_stack
         for name, fn in saved.items():
             setattr(kernels, name, fn)
 
@@ -82,7 +93,8 @@ def family(key: str, shapes) -> str | None:
     """The op family of a profiler event (None: counted inside another event)."""
     if key.startswith("exact::"):
         return {"exact::linear": FAMILIES[0], "exact::lm_head": FAMILIES[1], "exact::attention": FAMILIES[2],
-                "exact::layer_in": FAMILIES[4], "exact::layer_out": FAMILIES[4]}.get(key, FAMILIES[3])
+                "exact::layer_in": FAMILIES[4], "exact::layer_out": FAMILIES[4],
+                "exact::stack": FAMILIES[4]}.get(key, FAMILIES[3])
     if key in ("aten::mm", "aten::addmm", "aten::bmm"):
         return FAMILIES[1] if any(len(s) == 2 and s[-1] > 10000 for s in (shapes or []) if s) else FAMILIES[0]
     if "attention" in key:

@@ -242,7 +242,7 @@ def test_exact_mode_reports_what_it_replaced():
     assert set(replaced) - set(linears) == {"attention", "LlamaRMSNorm x5 (fixed-order kernel)",
                                             "SiLUActivation x2 (fixed-order kernel)",
                                             "LlamaRotaryEmbedding x1 (table of every position)",
-                                            "decoder layer x2 (two calls per AR forward)",
+                                            "decoder layer x2 (one call per forward)",
                                             f"kernels {kernels.isa()}"}
     # a draft adapter added later (a loaded head brings one) goes on the kernels too, its activation included
     model.set_draft_adapter(4)

@@ -363,7 +363,7 @@ def test_fused_decoder_layers_give_the_bits_of_the_module_path(family, dtype, da
 
     model = OrthrusLM(drawn_backbone(data, family).to(dtype), k=4)
     model.set_attn("exact")
-    assert f"decoder layer x{model.config.num_hidden_layers} (two calls per AR forward)" in model.exact_ops
+    assert f"decoder layer x{model.config.num_hidden_layers} (one call per forward)" in model.exact_ops
     vocab = model.config.vocab_size
     ids = data.draw(st.lists(st.integers(0, vocab - 1), min_size=3, max_size=40), label="ids")
     split = data.draw(st.integers(1, len(ids) - 1), label="prefill")

@@ -537,11 +537,13 @@ def make_batch_invariant(backbone: torch.nn.Module) -> list[str]:
         if _fusable(layer):
             _swap_class(layer, FusedLayerMixin)
             fused += 1
-    if fused and fused == len(backbone.model.layers) and hasattr(backbone.model, "embed_tokens") \
-            and hasattr(backbone.model, "norm"):
+    stacked = bool(fused) and fused == len(backbone.model.layers) and hasattr(backbone.model, "embed_tokens") \
+        and hasattr(backbone.model, "norm")
+    if stacked:
         _swap_class(backbone.model, FusedStackMixin)
+    how = "one call per forward" if stacked else "two calls per AR forward"
     return ["attention", *(f"linear {i}->{o} x{n} (fixed-order kernel)" for (i, o), n in sorted(linears.items())),
-            *([f"decoder layer x{fused} (two calls per AR forward)"] if fused else []),
+            *([f"decoder layer x{fused} ({how})"] if fused else []),
             *(label.format(n) for label, n in sorted(counts.items())), f"kernels {kernels.isa()}"]
 
 
