@@ -560,6 +560,18 @@ inline void score_tiles(const float* q, int64_t d, const float* tiles, float* ou
 }
 
 #if defined(LOSSLESS_V16_AVX512)
+// 16 pairs of two-byte values (element 2t low, 2t + 1 high) widened exactly to fp32: the evens and the odds
+template <typename T>
+inline void widen_pairs(__m512i w, V16& even, V16& odd) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    even = {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+    odd = {_mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+  } else {
+    even = {_mm512_cvtph_ps(_mm512_cvtepi32_epi16(w))};
+    odd = {_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)))};
+  }
+}
+
 // The same scores read from the cache's own rows of keys (keys [n, d] of one kv head, in T), 16 keys to a vector
 // by gathers: B groups of 16 keys from key `first` (lanes past n read the last key; their scores go unused)
 // against G queries, each score one fma chain over d in order, as from the tiles. bf16 and fp16 keys are gathered
@@ -601,13 +613,7 @@ inline void score_keys(const float* q, int64_t d, const T* keys, int64_t n, int6
       for (int b = 0; b < B; ++b) {
         const __m512i w = _mm512_i32gather_epi32(_mm512_add_epi32(row[b], _mm512_set1_epi32(static_cast<int>(t))),
                                                  keys, 2);
-        if constexpr (std::is_same_v<T, at::BFloat16>) {
-          even[b] = {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
-          odd[b] = {_mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
-        } else {
-          even[b] = {_mm512_cvtph_ps(_mm512_cvtepi32_epi16(w))};
-          odd[b] = {_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)))};
-        }
+        widen_pairs<T>(w, even[b], odd[b]);
       }
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) {
@@ -653,13 +659,7 @@ inline void score_pair_tiles(const float* q, int64_t d, const uint32_t* tiles, f
 #pragma GCC unroll 4
     for (int b = 0; b < B; ++b) {
       const __m512i w = _mm512_loadu_si512(tiles + (b * steps + i) * LANES);
-      if constexpr (std::is_same_v<T, at::BFloat16>) {
-        even[b] = {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
-        odd[b] = {_mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
-      } else {
-        even[b] = {_mm512_cvtph_ps(_mm512_cvtepi32_epi16(w))};
-        odd[b] = {_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)))};
-      }
+      widen_pairs<T>(w, even[b], odd[b]);
     }
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
