@@ -675,97 +675,151 @@ inline void score_pair_tiles(const float* q, int64_t d, const uint32_t* tiles, f
 }
 #endif
 
-// C chunks of 16 head-dim lanes, t0 .. t0 + 16C, of G output rows (heads sharing these values; head g's scores at
-// scores + g * stride): for each lane, one fma chain over the visible keys in key order (score_j * v_j[t]); the
-// G * C chains advance side by side and share each load, never merged. `v` holds the values as rows of d, read
-// where they lie in the cache (lanes past d read as zeros).
+// C chunks of 16 head-dim lanes, t0 .. t0 + 16C, of G output rows (queries sharing these values: heads of one kv
+// head, of one row or of several; query g's weights at scores + g * stride): for each lane, one fma chain over the
+// weights j0 .. j1 - 1 in order (weight_j * v[key_j][t], key_j = keys[j], or j itself where keys is null), from zero
+// or, resuming, from the chains' values in acc; the G * C chains advance side by side and share each load, never
+// merged. `v` holds the values as rows of d, read where they lie in the cache (lanes past d read as zeros).
 template <int G, int C, typename T>
-inline void weighted_values(const float* scores, int64_t stride, const std::vector<int32_t>& keys, const T* v,
-                            int64_t d, int64_t dp, int64_t t0, float* acc) {
+inline void weighted_values(const float* scores, int64_t stride, const int32_t* keys, int64_t j0, int64_t j1,
+                            const T* v, int64_t d, int64_t dp, int64_t t0, float* acc, bool resume) {
   V16 sum[G][C];
+#pragma GCC unroll 16
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) sum[g][c] = V16::zero();
-  for (size_t j = 0; j < keys.size(); ++j) {
-    const T* vj = v + keys[j] * d;
-    V16 val[C];
-    for (int c = 0; c < C; ++c) val[c] = V16::load_padded(vj, t0 + c * LANES, d);
-    for (int g = 0; g < G; ++g) {
-      const V16 s = V16::splat(scores[g * stride + j]);
-      for (int c = 0; c < C; ++c) sum[g][c] = sum[g][c].fma(s, val[c]);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) sum[g][c] = resume ? V16::load(acc + g * dp + t0 + c * LANES) : V16::zero();
+  const auto run = [&](auto whole) {  // whole: every chunk lies inside the row (no padded loads)
+    for (int64_t j = j0; j < j1; ++j) {
+      const T* vj = v + (keys != nullptr ? keys[j] : j) * d;
+      V16 val[C];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c)
+        val[c] = decltype(whole)::value ? V16::load(vj + t0 + c * LANES) : V16::load_padded(vj, t0 + c * LANES, d);
+#pragma GCC unroll 16
+      for (int g = 0; g < G; ++g) {
+        const V16 s = V16::splat(scores[g * stride + j]);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) sum[g][c] = sum[g][c].fma(s, val[c]);
+      }
     }
-  }
+  };
+  if (t0 + C * LANES <= d) run(std::true_type{});
+  else run(std::false_type{});
+#pragma GCC unroll 16
   for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
     for (int c = 0; c < C; ++c) sum[g][c].store(acc + g * dp + t0 + c * LANES);
 }
 
-// One row's attention for G heads of one kv head (queries qf [G, d] in fp32): scores of every key up to the last
-// visible one, then per head the max, exp and sum over the visible keys and the weighted values, each in key order.
+// every chunk of the head dim through `weighted_values`, C chunks at a time (acc: [G, dp])
 template <int G, typename T>
-inline void attend_heads(const float* qf, int64_t d, int64_t dp, const float* kt, const T* kk, int64_t n, const T* vk,
-                         const std::vector<int32_t>& seen, float scale, std::vector<float>& all,
-                         std::vector<float>& scores, std::vector<float>& acc, float* total, const uint32_t* kc = nullptr) {
-  const int64_t used = seen.back() / LANES + 1, stride = used * LANES;
-  all.resize(static_cast<size_t>(G * stride));
+inline void weighted_value_rows(const float* scores, int64_t stride, const int32_t* keys, int64_t j0, int64_t j1,
+                                const T* v, int64_t d, int64_t dp, float* acc, bool resume) {
+  constexpr int C = G <= 2 ? 4 : 2;
+  int64_t t = 0;
+  for (; t + C * LANES <= dp; t += C * LANES) weighted_values<G, C>(scores, stride, keys, j0, j1, v, d, dp, t, acc, resume);
+  for (; t < dp; t += LANES) weighted_values<G, 1>(scores, stride, keys, j0, j1, v, d, dp, t, acc, resume);
+}
+
+// how many of a row's visible keys (strictly increasing) are the cache's first ones, 0, 1, 2, ..
+inline int64_t leading_keys(const std::vector<int32_t>& seen) {
+  int64_t lo = 0, hi = static_cast<int64_t>(seen.size());  // seen[j] == j below lo, seen[j] > j from hi on
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (seen[mid] == mid) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+struct AttentionScratch {
+  std::vector<float> all, scores, acc, qf;
+  float total[16];
+  explicit AttentionScratch(int64_t d) : qf(static_cast<size_t>(16 * d)) {}
+};
+
+// The attention of R rows for G heads of one kv head (queries qf [R * G, d] in fp32, row by row; seen: each row's
+// visible keys): scores of every key up to the last one any row sees, all R * G queries sharing each key read; then
+// per query the max, exp and sum over its row's visible keys; then the weighted values, each (query, lane) one
+// chain in key order: over the keys every row sees first (0, 1, .., all R * G chains sharing each value read), then
+// on over its own row's other keys. Out: s.acc [R * G, dp], s.total [R * G]. Which rows and heads share a call
+// never changes a bit; nor does the order of the max (a set's maximum, only a zero's sign could differ, and x - 0
+// and x + 0 round alike where exp reads them).
+template <int R, int G, typename T>
+inline void attend_rows(const float* qf, int64_t d, int64_t dp, const float* kt, const T* kk, int64_t n, const T* vk,
+                        const std::vector<int32_t>* const* seen, float scale, AttentionScratch& s, const uint32_t* kc) {
+  constexpr int Q = R * G;
+  int64_t last = 0, common = INT64_MAX, widest = 0;
+  for (int r = 0; r < R; ++r) {
+    last = std::max<int64_t>(last, seen[r]->back());
+    common = std::min(common, leading_keys(*seen[r]));
+    widest = std::max<int64_t>(widest, static_cast<int64_t>(seen[r]->size()));
+  }
+  const int64_t used = last / LANES + 1, stride = used * LANES;
+  std::vector<float>& all = s.all;
+  all.resize(static_cast<size_t>(Q * stride));
   int64_t tile = 0;
-  constexpr int B = G <= 2 ? 4 : (G == 3 ? 4 : 3);  // G * B accumulators within the 32 (AVX-512) registers
+  constexpr int B = Q <= 3 ? 4 : (Q <= 6 ? 3 : 2);  // Q * B accumulators within the 32 (AVX-512) registers
 #if defined(LOSSLESS_V16_AVX512)
   (void)kt;
   if (kc != nullptr && std::is_same_v<T, float>) {  // the cache's own key tiles: fp32 [tile, d, 16]
     const float* ft = reinterpret_cast<const float*>(kc);
-    for (; tile + B <= used; tile += B) score_tiles<G, B>(qf, d, ft + tile * d * LANES, all.data() + tile * LANES, stride);
-    for (; tile < used; ++tile) score_tiles<G, 1>(qf, d, ft + tile * d * LANES, all.data() + tile * LANES, stride);
+    for (; tile + B <= used; tile += B) score_tiles<Q, B>(qf, d, ft + tile * d * LANES, all.data() + tile * LANES, stride);
+    for (; tile < used; ++tile) score_tiles<Q, 1>(qf, d, ft + tile * d * LANES, all.data() + tile * LANES, stride);
   } else if (kc != nullptr && d % 2 == 0) {  // pairs [tile, d / 2, 16]
     const int64_t steps = d / 2;
     for (; tile + B <= used; tile += B)
-      score_pair_tiles<G, B, T>(qf, d, kc + tile * steps * LANES, all.data() + tile * LANES, stride);
-    for (; tile < used; ++tile) score_pair_tiles<G, 1, T>(qf, d, kc + tile * steps * LANES, all.data() + tile * LANES, stride);
+      score_pair_tiles<Q, B, T>(qf, d, kc + tile * steps * LANES, all.data() + tile * LANES, stride);
+    for (; tile < used; ++tile) score_pair_tiles<Q, 1, T>(qf, d, kc + tile * steps * LANES, all.data() + tile * LANES, stride);
   } else {
-    for (; tile + B <= used; tile += B) score_keys<G, B>(qf, d, kk, n, tile * LANES, all.data() + tile * LANES, stride);
-    for (; tile < used; ++tile) score_keys<G, 1>(qf, d, kk, n, tile * LANES, all.data() + tile * LANES, stride);
+    for (; tile + B <= used; tile += B) score_keys<Q, B>(qf, d, kk, n, tile * LANES, all.data() + tile * LANES, stride);
+    for (; tile < used; ++tile) score_keys<Q, 1>(qf, d, kk, n, tile * LANES, all.data() + tile * LANES, stride);
   }
 #else
   (void)kc;
   (void)kk;
   (void)n;
   for (; tile + B <= used; tile += B)
-    score_tiles<G, B>(qf, d, kt + tile * d * LANES, all.data() + tile * LANES, stride);
-  for (; tile < used; ++tile) score_tiles<G, 1>(qf, d, kt + tile * d * LANES, all.data() + tile * LANES, stride);
+    score_tiles<Q, B>(qf, d, kt + tile * d * LANES, all.data() + tile * LANES, stride);
+  for (; tile < used; ++tile) score_tiles<Q, 1>(qf, d, kt + tile * d * LANES, all.data() + tile * LANES, stride);
 #endif
-  const size_t m = seen.size(), full = m / LANES * LANES;
-  scores.resize(static_cast<size_t>(G) * m);
-  for (int g = 0; g < G; ++g) {
-    float* sp = scores.data() + g * m;
+  s.scores.resize(static_cast<size_t>(Q * widest));
+  for (int g = 0; g < Q; ++g) {
+    const std::vector<int32_t>& sr = *seen[g / G];
+    const int64_t m = static_cast<int64_t>(sr.size()), full = m / LANES * LANES;
+    float* sp = s.scores.data() + g * widest;
     const float* ap = all.data() + g * stride;
+#pragma omp simd
+    for (int64_t j = 0; j < common; ++j) sp[j] = ap[j] * scale;
+    for (int64_t j = common; j < m; ++j) sp[j] = ap[sr[j]] * scale;
+    float most[LANES];
+    for (int64_t l = 0; l < LANES; ++l) most[l] = -INFINITY;
+    for (int64_t j = 0; j < full; j += LANES)
+      for (int64_t l = 0; l < LANES; ++l) most[l] = sp[j + l] > most[l] ? sp[j + l] : most[l];
+    for (int64_t j = full; j < m; ++j) most[j - full] = sp[j] > most[j - full] ? sp[j] : most[j - full];
     float best = -INFINITY;
-    for (size_t j = 0; j < m; ++j) {
-      sp[j] = ap[seen[j]] * scale;
-      best = sp[j] > best ? sp[j] : best;
-    }
+    for (int64_t l = 0; l < LANES; ++l) best = most[l] > best ? most[l] : best;
 #pragma omp simd  // lane-wise: each element the same operations, whatever the width
-    for (size_t j = 0; j < m; ++j) sp[j] = exp_fixed(sp[j] - best);
+    for (int64_t j = 0; j < m; ++j) sp[j] = exp_fixed(sp[j] - best);
     float lanes[LANES] = {0};
-    for (size_t j = 0; j < full; j += LANES)
+    for (int64_t j = 0; j < full; j += LANES)
       for (int64_t l = 0; l < LANES; ++l) lanes[l] += sp[j + l];
-    for (size_t j = full; j < m; ++j) lanes[j - full] += sp[j];
-    total[g] = tree16(lanes);
+    for (int64_t j = full; j < m; ++j) lanes[j - full] += sp[j];
+    s.total[g] = tree16(lanes);
   }
-  acc.resize(static_cast<size_t>(G * dp));
-  int64_t t = 0;
-  constexpr int C = G <= 2 ? 4 : 2;
-  for (; t + C * LANES <= dp; t += C * LANES)
-    weighted_values<G, C>(scores.data(), static_cast<int64_t>(m), seen, vk, d, dp, t, acc.data());
-  for (; t < dp; t += LANES) weighted_values<G, 1>(scores.data(), static_cast<int64_t>(m), seen, vk, d, dp, t, acc.data());
+  s.acc.resize(static_cast<size_t>(Q * dp));
+  weighted_value_rows<Q>(s.scores.data(), widest, nullptr, 0, common, vk, d, dp, s.acc.data(), false);
+  for (int r = 0; r < R; ++r) {
+    const int64_t m = static_cast<int64_t>(seen[r]->size());
+    if (m > common)
+      weighted_value_rows<G>(s.scores.data() + r * G * widest, widest, seen[r]->data(), common, m, vk, d, dp,
+                             s.acc.data() + r * G * dp, true);
+  }
 }
 
-struct AttentionScratch {
-  std::vector<float> all, scores, acc, qf;
-  float total[4];
-  explicit AttentionScratch(int64_t d) : qf(static_cast<size_t>(4 * d)) {}
-};
-
-// One call's attention as work items (row, kv head, up to `per` of its query heads, which share each key read);
-// one head per item only when there are fewer (row, kv head) pairs than threads, so every thread has work.
-// Which heads share an item never changes a bit: each output is its own chain.
+// One call's attention as work items (up to `rows_per` rows, one kv head, up to `per` of its query heads: they
+// share each key and value read); one head per item only when there are fewer (row, kv head) pairs than threads,
+// so every thread has work. Which rows and heads share an item never changes a bit: each output is its own chain.
 template <typename T>
 struct Attention {
   const T* qp;  // query [rows, h, d]
@@ -778,37 +832,66 @@ struct Attention {
   const std::vector<std::vector<int32_t>>* keys;  // each row's visible keys, in cache order
   const uint32_t* kc = nullptr;  // the cache's key tiles (`KeyTiles`), kv head j at kc + j * kcs, else null
   int64_t kcs = 0;
+  int64_t rows = 0, rows_per = 1;
 
-  Attention with_items(int64_t rows, int threads) const {
+  static constexpr int MOST_QUERIES = 9;  // rows x heads one item takes at most
+
+  Attention with_items(int64_t m, int threads) const {
     Attention a = *this;
-    a.per = rows * kvh >= threads ? 4 : 1;
+    a.rows = m;
+    a.per = m * kvh >= threads ? 4 : 1;
     a.parts = (groups + a.per - 1) / a.per;
+    const int64_t heads = std::min(a.per, groups);
+    a.rows_per = 1;
+    for (int64_t r = 3; r > 1; --r)
+      if (r * heads <= MOST_QUERIES && (m + r - 1) / r * kvh * a.parts >= (r == 3 ? 2 : 1) * threads) {
+        a.rows_per = r;
+        break;
+      }
     return a;
   }
+  int64_t items() const { return (rows + rows_per - 1) / rows_per * kvh * parts; }
 
   void item(int64_t a, AttentionScratch& s) const {
-    const int64_t row = a / (kvh * parts), kv = a / parts % kvh, h0 = kv * groups + a % parts * per;
+    const int64_t block = a / (kvh * parts), kv = a / parts % kvh, h0 = kv * groups + a % parts * per;
     const int64_t g_count = std::min<int64_t>(per, kv * groups + groups - h0);
-    const std::vector<int32_t>& seen = (*keys)[row];
-    if (seen.empty()) {
-      for (int64_t e = 0; e < g_count * d; ++e) op[(row * h + h0) * d + e] = from_float<T>(0.0f);
-      return;
+    const int64_t row0 = block * rows_per, count = std::min(rows_per, rows - row0);
+    bool empty = false;
+    for (int64_t r = row0; r < row0 + count; ++r) empty = empty || (*keys)[r].empty();
+    if (empty || !block_rows(row0, count, kv, h0, g_count, s))
+      for (int64_t r = row0; r < row0 + count; ++r) block_rows(r, 1, kv, h0, g_count, s);
+  }
+
+  // rows row0 .. row0 + count - 1 for heads h0 .. h0 + g_count - 1 of kv head kv; false where no kernel takes that many
+  bool block_rows(int64_t row0, int64_t count, int64_t kv, int64_t h0, int64_t g_count, AttentionScratch& s) const {
+    const std::vector<int32_t>* seen[3];
+    for (int64_t r = 0; r < count; ++r) seen[r] = &(*keys)[row0 + r];
+    if (count == 1 && seen[0]->empty()) {
+      for (int64_t e = 0; e < g_count * d; ++e) op[(row0 * h + h0) * d + e] = from_float<T>(0.0f);
+      return true;
     }
-    for (int64_t e = 0; e < g_count * d; ++e) s.qf[e] = to_float(qp[(row * h + h0) * d + e]);
+    for (int64_t r = 0; r < count; ++r)
+      for (int64_t e = 0; e < g_count * d; ++e) s.qf[r * g_count * d + e] = to_float(qp[((row0 + r) * h + h0) * d + e]);
     const float* ktk = kt == nullptr ? nullptr : kt + kv * tiles * d * LANES;
     const uint32_t* kck = kc == nullptr ? nullptr : kc + kv * kcs;
     const T* vk = vp + kv * vs;
     const T* kk = kp + kv * ks;
-    switch (g_count) {
-      case 1: attend_heads<1>(s.qf.data(), d, dp, ktk, kk, n, vk, seen, scale, s.all, s.scores, s.acc, s.total, kck); break;
-      case 2: attend_heads<2>(s.qf.data(), d, dp, ktk, kk, n, vk, seen, scale, s.all, s.scores, s.acc, s.total, kck); break;
-      case 3: attend_heads<3>(s.qf.data(), d, dp, ktk, kk, n, vk, seen, scale, s.all, s.scores, s.acc, s.total, kck); break;
-      default: attend_heads<4>(s.qf.data(), d, dp, ktk, kk, n, vk, seen, scale, s.all, s.scores, s.acc, s.total, kck); break;
+#define LOSSLESS_ROWS(R, G) \
+  case R * 10 + G: attend_rows<R, G>(s.qf.data(), d, dp, ktk, kk, n, vk, seen, scale, s, kck); break;
+    switch (count * 10 + std::min<int64_t>(g_count, 4)) {
+      LOSSLESS_ROWS(1, 1) LOSSLESS_ROWS(1, 2) LOSSLESS_ROWS(1, 3) LOSSLESS_ROWS(1, 4)
+      LOSSLESS_ROWS(2, 1) LOSSLESS_ROWS(2, 2) LOSSLESS_ROWS(2, 3) LOSSLESS_ROWS(2, 4)
+      LOSSLESS_ROWS(3, 1) LOSSLESS_ROWS(3, 2) LOSSLESS_ROWS(3, 3)
+      default: return false;
     }
-    for (int64_t g = 0; g < g_count; ++g) {
-      T* o = op + (row * h + h0 + g) * d;
-      for (int64_t e = 0; e < d; ++e) o[e] = from_float<T>(s.acc[g * dp + e] / s.total[g]);
-    }
+#undef LOSSLESS_ROWS
+    for (int64_t r = 0; r < count; ++r)
+      for (int64_t g = 0; g < g_count; ++g) {
+        T* o = op + ((row0 + r) * h + h0 + g) * d;
+        const int64_t q = r * g_count + g;
+        for (int64_t e = 0; e < d; ++e) o[e] = from_float<T>(s.acc[q * dp + e] / s.total[q]);
+      }
+    return true;
   }
 };
 
@@ -863,7 +946,7 @@ void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Te
 #endif
   const Attention<T> base{qp, kp, vp, op, kt, ks, vs, h, d, dp, kvh, groups, n, tiles, 1, 1, scale, &keys};
   const Attention<T> plan = base.with_items(q, at::get_num_threads());
-  at::parallel_for(0, q * kvh * plan.parts, 1, [&](int64_t a0, int64_t a1) {
+  at::parallel_for(0, plan.items(), 1, [&](int64_t a0, int64_t a1) {
     const FlushDenormals flush_here;
     AttentionScratch scratch(d);
     for (int64_t a = a0; a < a1; ++a) plan.item(a, scratch);
@@ -1297,7 +1380,7 @@ struct StackRun {
       const Attention<T> plan = Attention<T>{qr.data(), kc, vc, a.data(), kt, ks, ks, heads, hd, dp, kvh, heads / kvh,
                                              keys_n, tiles_n, 1, 1, static_cast<float>(L.scaling), &seen, tc, tstride}
                                     .with_items(m, threads);
-      share(m * kvh * plan.parts, t, threads, 1, b, e);
+      share(plan.items(), t, threads, 1, b, e);
       {
         const FlushDenormals flush;
         AttentionScratch scratch(hd);
