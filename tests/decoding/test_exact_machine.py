@@ -116,7 +116,11 @@ def test_the_layer_stack_gives_the_bits_of_the_layer_calls(dtype, data):
     cap = n + m + data.draw(st.integers(0, 5), label="room")
     caches = [(make((1, 2, cap, 10)), make((1, 2, cap, 10))) for _ in layers]
     valid = data.draw(st.integers(0, n), label="positions the key tiles hold")
+    assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, n, m, cap, valid)
 
+
+def assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, n, m, cap, valid):
+    """A Stack forward over `layers` gives the bits of the layer calls, for every variant and thread count."""
     def by_layers():
         h, rows = x, []
         for args, cache in zip(layers, caches):
@@ -135,12 +139,13 @@ def test_the_layer_stack_gives_the_bits_of_the_layer_calls(dtype, data):
         # key tiles valid for the first `valid` positions, garbage after: the kernel makes the rest
         tiles = [torch.randint(-2**31, 2**31 - 1, (2, -(-cap // 16), 5 if dtype != torch.float32 else 10, 16),
                                generator=g, dtype=torch.int32) for _ in layers]
-        for t, (k, _) in zip(tiles, caches):
-            for pos in range(valid):
-                words = k[0, :, pos].contiguous().view(torch.int32 if dtype == torch.float32 else torch.int16)
-                if dtype != torch.float32:
-                    words = (words[:, 0::2].to(torch.int32) & 0xFFFF) | (words[:, 1::2].to(torch.int32) << 16)
-                t[:, pos // 16, :, pos % 16] = words
+        for t, (k, _) in zip(tiles, caches):  # position p: tile p // 16, lane p % 16
+            words = k[0, :, :valid].contiguous().view(torch.int32 if dtype == torch.float32 else torch.int16)
+            if dtype != torch.float32:
+                words = (words[..., 0::2].to(torch.int32) & 0xFFFF) | (words[..., 1::2].to(torch.int32) << 16)
+            lanes = t.transpose(2, 3).contiguous().view(t.shape[0], -1, t.shape[2])  # [kv, position, step]
+            lanes[:, :valid] = words
+            t.copy_(lanes.view(t.shape[0], t.shape[1], 16, t.shape[2]).transpose(2, 3))
         h = stack.forward(x, cos, sin, visible, [b[0] for b in buffers], [b[1] for b in buffers], tiles,
                           [valid] * len(layers), n)
         for (k, v), (k0, v0) in zip(buffers, caches):  # nothing but positions n..n+m-1 written
@@ -158,6 +163,61 @@ def test_the_layer_stack_gives_the_bits_of_the_layer_calls(dtype, data):
                 with kernels.use_isa(isa):
                     for i, (a, b) in enumerate(zip(stacked(), want)):
                         assert torch.equal(nan_bits(a), b), (isa, threads, i)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@settings(max_examples=4, **SLOW)
+@given(data=st.data())
+def test_a_long_context_split_over_the_threads_gives_the_layer_calls_bits(dtype, data):
+    """From 1,024 keys a row, a step or a short chain spreads each kv head's attention over the threads (scores
+    and exp by segments of keys, the weighted values by chunks of the head dim): the stack still gives the bits
+    of the layer calls, for every variant and thread count."""
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    make = lambda s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    m, n = data.draw(st.integers(1, 3), label="rows"), data.draw(st.integers(1024, 1100), label="cache")
+    layers = random_layers(dtype, make, 2, data.draw(st.booleans(), label="qk norms"), False)
+    x, cos, sin = make((m, 37)), make((m, 10)), make((m, 10))
+    visible = torch.ones(m, n + m, dtype=torch.bool)
+    visible[:, n:] = torch.ones(m, m, dtype=torch.bool).tril()  # a chain: each row sees the cache and the rows before
+    cap = n + m + 3
+    caches = [(make((1, 2, cap, 10)), make((1, 2, cap, 10))) for _ in layers]
+    assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, n, m, cap,
+                                data.draw(st.sampled_from([0, n - 5, n]), label="positions the key tiles hold"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@settings(max_examples=6, **SLOW)
+@given(data=st.data())
+def test_long_context_attention_split_over_the_threads_is_correct_and_invariant(dtype, data):
+    """The split attention (rows that see the cache's first keys, 1,024 or more of them, fewer items than twice
+    the threads) matches a float64 reference and gives one set of bits for every variant and thread count,
+    head dims not a multiple of 16 and more than four heads a kv head included."""
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    kv = data.draw(st.integers(1, 3), label="kv heads")
+    heads = kv * data.draw(st.integers(1, 6), label="group")
+    d = data.draw(st.sampled_from([10, 40, 64, 72, 128]), label="d")
+    q, n = data.draw(st.integers(1, 3), label="q"), data.draw(st.integers(1024, 1300), label="keys")
+    query, key, value = (torch.randn(*s, generator=g).to(dtype) for s in ((q, heads, d), (kv, n, d), (kv, n, d)))
+    visible = torch.ones(q, n, dtype=torch.bool)
+    visible[:, n - q + 1:] = torch.ones(q, q - 1, dtype=torch.bool).tril(-1)
+    want = bits(kernels.attention(query, key, value, visible, 1 / math.sqrt(d)))
+    k64, v64 = (t.double().repeat_interleave(heads // kv, dim=0) for t in (key, value))
+    scores = torch.einsum("qhd,hnd->hqn", query.double(), k64) / math.sqrt(d)
+    probs = torch.softmax(scores.masked_fill(~visible[None], -math.inf), dim=-1)
+    ref = torch.einsum("hqn,hnd->qhd", probs, v64)
+    got = want.view(dtype).double()
+    tol = 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps  # fp32: sums of ~1,300 fp32 roundings
+    assert torch.allclose(got, ref, rtol=tol, atol=tol)
+    before = torch.get_num_threads()
+    try:
+        for isa in VARIANTS:
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                with kernels.use_isa(isa):
+                    assert torch.equal(bits(kernels.attention(query, key, value, visible, 1 / math.sqrt(d))), want), \
+                        (isa, threads)
     finally:
         torch.set_num_threads(before)
 

@@ -31,6 +31,15 @@ struct V16 {
   static V16 splat(float x) { return {_mm512_set1_ps(x)}; }
   V16 fma(V16 a, V16 b) const { return {_mm512_fmadd_ps(a.v, b.v, v)}; }  // this + a * b, one rounding
   V16 bit_or(V16 a) const { return {_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a.v), _mm512_castps_si512(v)))}; }
+  V16 add(V16 a) const { return {_mm512_add_ps(v, a.v)}; }
+  V16 sub(V16 a) const { return {_mm512_sub_ps(v, a.v)}; }
+  V16 mul(V16 a) const { return {_mm512_mul_ps(v, a.v)}; }
+  V16 div(V16 a) const { return {_mm512_div_ps(v, a.v)}; }
+  static V16 above(V16 x, V16 limit, V16 a, V16 b) { return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(x.v, limit.v, _CMP_GT_OQ), b.v, a.v)}; }
+  static V16 if_nan(V16 x, V16 a, V16 b) { return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q), b.v, a.v)}; }
+  V16 pow2() const {
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(v), _mm512_set1_epi32(127)), 23))};
+  }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
 #elif defined(LOSSLESS_V16_AVX2)
   __m256 lo, hi;
@@ -48,6 +57,22 @@ struct V16 {
   static V16 splat(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
   V16 fma(V16 a, V16 b) const { return {_mm256_fmadd_ps(a.lo, b.lo, lo), _mm256_fmadd_ps(a.hi, b.hi, hi)}; }
   V16 bit_or(V16 a) const { return {_mm256_or_ps(a.lo, lo), _mm256_or_ps(a.hi, hi)}; }
+  V16 add(V16 a) const { return {_mm256_add_ps(lo, a.lo), _mm256_add_ps(hi, a.hi)}; }
+  V16 sub(V16 a) const { return {_mm256_sub_ps(lo, a.lo), _mm256_sub_ps(hi, a.hi)}; }
+  V16 mul(V16 a) const { return {_mm256_mul_ps(lo, a.lo), _mm256_mul_ps(hi, a.hi)}; }
+  V16 div(V16 a) const { return {_mm256_div_ps(lo, a.lo), _mm256_div_ps(hi, a.hi)}; }
+  static V16 above(V16 x, V16 limit, V16 a, V16 b) {
+    return {_mm256_blendv_ps(b.lo, a.lo, _mm256_cmp_ps(x.lo, limit.lo, _CMP_GT_OQ)),
+            _mm256_blendv_ps(b.hi, a.hi, _mm256_cmp_ps(x.hi, limit.hi, _CMP_GT_OQ))};
+  }
+  static V16 if_nan(V16 x, V16 a, V16 b) {
+    return {_mm256_blendv_ps(b.lo, a.lo, _mm256_cmp_ps(x.lo, x.lo, _CMP_UNORD_Q)),
+            _mm256_blendv_ps(b.hi, a.hi, _mm256_cmp_ps(x.hi, x.hi, _CMP_UNORD_Q))};
+  }
+  static __m256 pow2_8(__m256 n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+  V16 pow2() const { return {pow2_8(lo), pow2_8(hi)}; }
   void store(float* p) const { _mm256_storeu_ps(p, lo); _mm256_storeu_ps(p + 8, hi); }
 #else
   float v[LANES];
@@ -59,6 +84,25 @@ struct V16 {
     V16 r;
     for (int l = 0; l < LANES; ++l)
       r.v[l] = __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, a.v[l]) | __builtin_bit_cast(uint32_t, v[l]));
+    return r;
+  }
+  V16 add(V16 a) const { V16 r; for (int l = 0; l < LANES; ++l) r.v[l] = v[l] + a.v[l]; return r; }
+  V16 sub(V16 a) const { V16 r; for (int l = 0; l < LANES; ++l) r.v[l] = v[l] - a.v[l]; return r; }
+  V16 mul(V16 a) const { V16 r; for (int l = 0; l < LANES; ++l) r.v[l] = v[l] * a.v[l]; return r; }
+  V16 div(V16 a) const { V16 r; for (int l = 0; l < LANES; ++l) r.v[l] = v[l] / a.v[l]; return r; }
+  static V16 above(V16 x, V16 limit, V16 a, V16 b) {
+    V16 r;
+    for (int l = 0; l < LANES; ++l) r.v[l] = x.v[l] > limit.v[l] ? a.v[l] : b.v[l];
+    return r;
+  }
+  static V16 if_nan(V16 x, V16 a, V16 b) {
+    V16 r;
+    for (int l = 0; l < LANES; ++l) r.v[l] = x.v[l] != x.v[l] ? a.v[l] : b.v[l];
+    return r;
+  }
+  V16 pow2() const {
+    V16 r;
+    for (int l = 0; l < LANES; ++l) r.v[l] = __builtin_bit_cast(float, (static_cast<int32_t>(v[l]) + 127) << 23);
     return r;
   }
   void store(float* p) const { for (int l = 0; l < LANES; ++l) p[l] = v[l]; }
@@ -95,6 +139,8 @@ struct V16 {
   template <typename T> static V16 load_padded(const T* p, int64_t c, int64_t n) {  // lanes c.. of an n-long row
     return c + LANES <= n ? load(p + c) : load_partial(p + c, n - c);
   }
+  // (above) add, sub, mul, div: lane-wise, correctly rounded; above(x, limit, a, b): x > limit ? a : b (a NaN is
+  // not above); if_nan(x, a, b): x != x ? a : b; pow2: 2^n of lanes holding whole numbers n, -126 <= n <= 127
 };
 
 inline float tree16(const float* a) {
@@ -126,6 +172,28 @@ inline float exp_fixed(float x) {
   const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
   float y = p * scale;
   return nan ? x : (x > hi ? INFINITY : (x < lo ? 0.0f : y));
+}
+
+// exp_fixed of 16 lanes: the same operations in the same order, so the same bits lane by lane
+inline V16 exp_fixed(V16 x) {
+  const V16 hi = V16::splat(88.0f), lo = V16::splat(-87.0f), zero = V16::zero();
+  V16 xc = V16::above(x, hi, hi, V16::above(lo, x, lo, x));
+  xc = V16::if_nan(x, zero, xc);
+  const V16 round = V16::splat(12582912.0f);
+  const V16 n = xc.mul(V16::splat(1.44269504088896341f)).add(round).sub(round);
+  const V16 minus_n = V16::splat(-1.0f).mul(n);  // exactly -n, the sign of a zero included
+  V16 r = xc.fma(minus_n, V16::splat(0.693145751953125f));
+  r = r.fma(minus_n, V16::splat(1.42860682030941723212e-6f));
+  V16 p = V16::splat(1.98412698412698413e-4f);
+  p = V16::splat(1.38888888888888889e-3f).fma(p, r);
+  p = V16::splat(8.33333333333333333e-3f).fma(p, r);
+  p = V16::splat(4.16666666666666667e-2f).fma(p, r);
+  p = V16::splat(1.66666666666666667e-1f).fma(p, r);
+  p = V16::splat(0.5f).fma(p, r);
+  p = V16::splat(1.0f).fma(p, r);
+  p = V16::splat(1.0f).fma(p, r);
+  const V16 y = p.mul(n.pow2());
+  return V16::if_nan(x, x, V16::above(x, hi, V16::splat(INFINITY), V16::above(lo, x, zero, y)));
 }
 
 // The linear layer. Weights are packed once (`pack_weight` in kernels.py) into panels of 16 outputs: panel p
@@ -711,11 +779,16 @@ inline void weighted_values(const float* scores, int64_t stride, const int32_t* 
     for (int c = 0; c < C; ++c) sum[g][c].store(acc + g * dp + t0 + c * LANES);
 }
 
-// every chunk of the head dim through `weighted_values`, C chunks at a time (acc: [G, dp])
+// every chunk of the head dim through `weighted_values`, C chunks at a time (acc: [G, dp]): as many as the
+// registers hold (a head dim of 64 in one pass reads each value row whole, one stream)
 template <int G, typename T>
 inline void weighted_value_rows(const float* scores, int64_t stride, const int32_t* keys, int64_t j0, int64_t j1,
                                 const T* v, int64_t d, int64_t dp, float* acc, bool resume) {
+#if defined(LOSSLESS_V16_AVX512)
+  constexpr int C = G <= 6 ? 4 : 2;
+#else
   constexpr int C = G <= 2 ? 4 : 2;
+#endif
   int64_t t = 0;
   for (; t + C * LANES <= dp; t += C * LANES) weighted_values<G, C>(scores, stride, keys, j0, j1, v, d, dp, t, acc, resume);
   for (; t < dp; t += LANES) weighted_values<G, 1>(scores, stride, keys, j0, j1, v, d, dp, t, acc, resume);
@@ -745,6 +818,57 @@ struct AttentionScratch {
 // on over its own row's other keys. Out: s.acc [R * G, dp], s.total [R * G]. Which rows and heads share a call
 // never changes a bit; nor does the order of the max (a set's maximum, only a zero's sign could differ, and x - 0
 // and x + 0 round alike where exp reads them).
+// The scores of Q queries (qf [Q, d], fp32) against the keys of tiles tile0 .. tile1 - 1 (16 keys each), into
+// out + g * stride + key, B tiles at a time (which tiles share a call changes no bit: each score is its own chain):
+// from the cache's key tiles (kc: fp32 [tile, d, 16] or pairs [tile, d / 2, 16]), else gathered from the keys' rows
+// (kk [n, d]); without AVX-512 from fp32 tiles built for the call (kt).
+template <int Q, typename T>
+inline void score_range(const float* qf, int64_t d, const float* kt, const T* kk, int64_t n, const uint32_t* kc,
+                        int64_t tile0, int64_t tile1, float* out, int64_t stride) {
+  constexpr int B = Q <= 3 ? 4 : (Q <= 6 ? 3 : 2);  // Q * B accumulators within the 32 (AVX-512) registers
+  int64_t tile = tile0;
+#if defined(LOSSLESS_V16_AVX512)
+  (void)kt;
+  if (kc != nullptr && std::is_same_v<T, float>) {  // the cache's own key tiles: fp32 [tile, d, 16]
+    const float* ft = reinterpret_cast<const float*>(kc);
+    for (; tile + B <= tile1; tile += B) score_tiles<Q, B>(qf, d, ft + tile * d * LANES, out + tile * LANES, stride);
+    for (; tile < tile1; ++tile) score_tiles<Q, 1>(qf, d, ft + tile * d * LANES, out + tile * LANES, stride);
+  } else if (kc != nullptr && d % 2 == 0) {  // pairs [tile, d / 2, 16]
+    const int64_t steps = d / 2;
+    for (; tile + B <= tile1; tile += B)
+      score_pair_tiles<Q, B, T>(qf, d, kc + tile * steps * LANES, out + tile * LANES, stride);
+    for (; tile < tile1; ++tile) score_pair_tiles<Q, 1, T>(qf, d, kc + tile * steps * LANES, out + tile * LANES, stride);
+  } else {
+    for (; tile + B <= tile1; tile += B) score_keys<Q, B>(qf, d, kk, n, tile * LANES, out + tile * LANES, stride);
+    for (; tile < tile1; ++tile) score_keys<Q, 1>(qf, d, kk, n, tile * LANES, out + tile * LANES, stride);
+  }
+#else
+  (void)kc;
+  (void)kk;
+  (void)n;
+  for (; tile + B <= tile1; tile += B) score_tiles<Q, B>(qf, d, kt + tile * d * LANES, out + tile * LANES, stride);
+  for (; tile < tile1; ++tile) score_tiles<Q, 1>(qf, d, kt + tile * d * LANES, out + tile * LANES, stride);
+#endif
+}
+
+// the softmax's denominator: the sum of sp[0 .. m - 1], lane l of 16 adding keys l, l + 16, .. in order, then tree16
+inline float total_of(const float* sp, int64_t m) {
+  const int64_t full = m / LANES * LANES;
+  float lanes[LANES] = {0};
+  for (int64_t j = 0; j < full; j += LANES)
+    for (int64_t l = 0; l < LANES; ++l) lanes[l] += sp[j + l];
+  for (int64_t j = full; j < m; ++j) lanes[j - full] += sp[j];
+  return tree16(lanes);
+}
+
+// exp(sp[j] - best) in place for j in j0 .. j1 - 1 (j0 a multiple of 16)
+inline void exp_shifted(float* sp, int64_t j0, int64_t j1, float best) {
+  const V16 top = V16::splat(best);
+  int64_t j = j0;
+  for (; j + LANES <= j1; j += LANES) exp_fixed(V16::load(sp + j).sub(top)).store(sp + j);
+  for (; j < j1; ++j) sp[j] = exp_fixed(sp[j] - best);
+}
+
 template <int R, int G, typename T>
 inline void attend_rows(const float* qf, int64_t d, int64_t dp, const float* kt, const T* kk, int64_t n, const T* vk,
                         const std::vector<int32_t>* const* seen, float scale, AttentionScratch& s, const uint32_t* kc) {
@@ -758,31 +882,7 @@ inline void attend_rows(const float* qf, int64_t d, int64_t dp, const float* kt,
   const int64_t used = last / LANES + 1, stride = used * LANES;
   std::vector<float>& all = s.all;
   all.resize(static_cast<size_t>(Q * stride));
-  int64_t tile = 0;
-  constexpr int B = Q <= 3 ? 4 : (Q <= 6 ? 3 : 2);  // Q * B accumulators within the 32 (AVX-512) registers
-#if defined(LOSSLESS_V16_AVX512)
-  (void)kt;
-  if (kc != nullptr && std::is_same_v<T, float>) {  // the cache's own key tiles: fp32 [tile, d, 16]
-    const float* ft = reinterpret_cast<const float*>(kc);
-    for (; tile + B <= used; tile += B) score_tiles<Q, B>(qf, d, ft + tile * d * LANES, all.data() + tile * LANES, stride);
-    for (; tile < used; ++tile) score_tiles<Q, 1>(qf, d, ft + tile * d * LANES, all.data() + tile * LANES, stride);
-  } else if (kc != nullptr && d % 2 == 0) {  // pairs [tile, d / 2, 16]
-    const int64_t steps = d / 2;
-    for (; tile + B <= used; tile += B)
-      score_pair_tiles<Q, B, T>(qf, d, kc + tile * steps * LANES, all.data() + tile * LANES, stride);
-    for (; tile < used; ++tile) score_pair_tiles<Q, 1, T>(qf, d, kc + tile * steps * LANES, all.data() + tile * LANES, stride);
-  } else {
-    for (; tile + B <= used; tile += B) score_keys<Q, B>(qf, d, kk, n, tile * LANES, all.data() + tile * LANES, stride);
-    for (; tile < used; ++tile) score_keys<Q, 1>(qf, d, kk, n, tile * LANES, all.data() + tile * LANES, stride);
-  }
-#else
-  (void)kc;
-  (void)kk;
-  (void)n;
-  for (; tile + B <= used; tile += B)
-    score_tiles<Q, B>(qf, d, kt + tile * d * LANES, all.data() + tile * LANES, stride);
-  for (; tile < used; ++tile) score_tiles<Q, 1>(qf, d, kt + tile * d * LANES, all.data() + tile * LANES, stride);
-#endif
+  score_range<Q>(qf, d, kt, kk, n, kc, 0, used, all.data(), stride);
   s.scores.resize(static_cast<size_t>(Q * widest));
   for (int g = 0; g < Q; ++g) {
     const std::vector<int32_t>& sr = *seen[g / G];
@@ -799,13 +899,8 @@ inline void attend_rows(const float* qf, int64_t d, int64_t dp, const float* kt,
     for (int64_t j = full; j < m; ++j) most[j - full] = sp[j] > most[j - full] ? sp[j] : most[j - full];
     float best = -INFINITY;
     for (int64_t l = 0; l < LANES; ++l) best = most[l] > best ? most[l] : best;
-#pragma omp simd  // lane-wise: each element the same operations, whatever the width
-    for (int64_t j = 0; j < m; ++j) sp[j] = exp_fixed(sp[j] - best);
-    float lanes[LANES] = {0};
-    for (int64_t j = 0; j < full; j += LANES)
-      for (int64_t l = 0; l < LANES; ++l) lanes[l] += sp[j + l];
-    for (int64_t j = full; j < m; ++j) lanes[j - full] += sp[j];
-    s.total[g] = tree16(lanes);
+    exp_shifted(sp, 0, m, best);
+    s.total[g] = total_of(sp, m);
   }
   s.acc.resize(static_cast<size_t>(Q * dp));
   weighted_value_rows<Q>(s.scores.data(), widest, nullptr, 0, common, vk, d, dp, s.acc.data(), false);
@@ -833,8 +928,14 @@ struct Attention {
   const uint32_t* kc = nullptr;  // the cache's key tiles (`KeyTiles`), kv head j at kc + j * kcs, else null
   int64_t kcs = 0;
   int64_t rows = 0, rows_per = 1;
+  // split: each item's work spread over the threads in three passes (see `split_unit`), with `segs` segments of
+  // keys, rows of `width` scores, `chunks` chunks of 16 * `lanes_c` head-dim lanes
+  bool split = false;
+  int64_t segs = 0, width = 0, chunks = 1, lanes_c = 4;
 
   static constexpr int MOST_QUERIES = 9;  // rows x heads one item takes at most
+  static constexpr int64_t SPLIT_KEYS = 1024;  // split from this many keys a row (below, the passes cost more)
+  static constexpr int64_t SEGMENT = 512;  // keys a score unit takes (a multiple of 16)
 
   Attention with_items(int64_t m, int threads) const {
     Attention a = *this;
@@ -848,9 +949,117 @@ struct Attention {
         a.rows_per = r;
         break;
       }
+    return a.with_split(threads);
+  }
+
+  // Where items would leave threads idle (fewer items of one row and all heads of a kv head than twice the
+  // threads: a decode step or a short chain over a long context), and every row sees the cache's first keys
+  // 0, 1, .., each item's work is spread over the threads instead, in three passes: scores and their maxima by
+  // segments of keys; exp by the same segments; weighted values by chunks of the head dim. Every output is
+  // the same chain of the same operations as in `attend_rows` (the maximum of a set is the same whichever
+  // segment finds it), so the same bits.
+  Attention with_split(int threads) const {
+    int64_t widest = 0;
+    bool leading = rows > 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const std::vector<int32_t>& k = (*keys)[r];
+      leading = leading && !k.empty() && k.back() + 1 == static_cast<int64_t>(k.size());
+      widest = std::max<int64_t>(widest, static_cast<int64_t>(k.size()));
+    }
+    const int64_t all_heads = (groups + 3) / 4, singles = rows * kvh * all_heads;
+    if (threads < 2 || !leading || widest < SPLIT_KEYS || singles >= 2 * threads) return *this;
+    Attention a = *this;
+    a.split = true;
+    a.per = 4;
+    a.parts = all_heads;
+    a.rows_per = 1;
+    a.width = (widest + LANES - 1) / LANES * LANES;
+    a.segs = (widest + SEGMENT - 1) / SEGMENT;
+    // chunks of 64 lanes: a thread reading half of each 128-byte pair of cache lines would draw the whole
+    // pair from memory all the same (the other half comes with it), so narrower chunks save no reads
+    a.lanes_c = 4;
+    a.chunks = (dp / LANES + 3) / 4;
     return a;
   }
   int64_t items() const { return (rows + rows_per - 1) / rows_per * kvh * parts; }
+  // units of split pass 0 (scores and maxima), 1 (exp) and 2 (weighted values)
+  int64_t split_units(int pass) const { return items() * (pass < 2 ? segs : chunks); }
+
+  // the scratch the threads share in a split: scores [item, head, width], maxima [item, head, segs], sums [item,
+  // head, dp]
+  struct Shared {
+    std::vector<float> scores, most, acc;
+    void size_for(const Attention& a) {
+      const int64_t heads = a.items() * a.per;
+      scores.resize(static_cast<size_t>(heads * a.width));
+      most.resize(static_cast<size_t>(heads * a.segs));
+      acc.resize(static_cast<size_t>(heads * a.dp));
+    }
+  };
+
+  void split_unit(int pass, int64_t u, AttentionScratch& s, Shared& w) const {
+    const int64_t a = u / (pass < 2 ? segs : chunks), part = u % (pass < 2 ? segs : chunks);
+    const int64_t row = a / (kvh * parts), kv = a / parts % kvh, h0 = kv * groups + a % parts * per;
+    const int64_t g_count = std::min<int64_t>(per, kv * groups + groups - h0);
+    const int64_t m = static_cast<int64_t>((*keys)[row].size());
+    float* sc = w.scores.data() + a * per * width;
+    if (pass < 2) {
+      const int64_t j0 = std::min(m, part * SEGMENT), j1 = std::min(m, j0 + SEGMENT);
+      float* most = w.most.data() + a * per * segs;
+      if (pass == 0) {
+        for (int64_t e = 0; e < g_count * d; ++e) s.qf[e] = to_float(qp[(row * h + h0) * d + e]);
+        const uint32_t* kck = kc == nullptr ? nullptr : kc + kv * kcs;
+        const float* ktk = kt == nullptr ? nullptr : kt + kv * tiles * d * LANES;
+        const int64_t t0 = j0 / LANES, t1 = (j1 + LANES - 1) / LANES;
+        switch (g_count) {
+          case 1: score_range<1>(s.qf.data(), d, ktk, kp + kv * ks, n, kck, t0, t1, sc, width); break;
+          case 2: score_range<2>(s.qf.data(), d, ktk, kp + kv * ks, n, kck, t0, t1, sc, width); break;
+          case 3: score_range<3>(s.qf.data(), d, ktk, kp + kv * ks, n, kck, t0, t1, sc, width); break;
+          default: score_range<4>(s.qf.data(), d, ktk, kp + kv * ks, n, kck, t0, t1, sc, width); break;
+        }
+      }
+      for (int64_t g = 0; g < g_count; ++g) {
+        float* sp = sc + g * width;
+        if (pass == 0) {
+          float best = -INFINITY;
+          for (int64_t j = j0; j < j1; ++j) {
+            sp[j] = sp[j] * scale;
+            best = sp[j] > best ? sp[j] : best;
+          }
+          most[g * segs + part] = best;
+        } else {
+          float best = -INFINITY;
+          for (int64_t p = 0; p < segs; ++p) best = most[g * segs + p] > best ? most[g * segs + p] : best;
+          exp_shifted(sp, j0, j1, best);
+        }
+      }
+      return;
+    }
+    const int64_t t0 = part * lanes_c * LANES;
+    float* acc = w.acc.data() + a * per * dp;
+    const T* vk = vp + kv * vs;
+#define LOSSLESS_VALUES(G, C) \
+  case G * 10 + C: weighted_values<G, C>(sc, width, nullptr, 0, m, vk, d, dp, t0, acc, false); break;
+    switch (g_count * 10 + std::min<int64_t>(lanes_c, (dp - t0) / LANES)) {
+      LOSSLESS_VALUES(1, 1) LOSSLESS_VALUES(1, 2) LOSSLESS_VALUES(1, 4) LOSSLESS_VALUES(2, 1) LOSSLESS_VALUES(2, 2)
+      LOSSLESS_VALUES(2, 4) LOSSLESS_VALUES(3, 1) LOSSLESS_VALUES(3, 2) LOSSLESS_VALUES(3, 4) LOSSLESS_VALUES(4, 1)
+      LOSSLESS_VALUES(4, 2) LOSSLESS_VALUES(4, 4)
+      default:  // a last chunk of three 16-lane steps: one at a time
+        for (int64_t t = t0; t < std::min(dp, t0 + lanes_c * LANES); t += LANES)
+          switch (g_count) {
+            case 1: weighted_values<1, 1>(sc, width, nullptr, 0, m, vk, d, dp, t, acc, false); break;
+            case 2: weighted_values<2, 1>(sc, width, nullptr, 0, m, vk, d, dp, t, acc, false); break;
+            case 3: weighted_values<3, 1>(sc, width, nullptr, 0, m, vk, d, dp, t, acc, false); break;
+            default: weighted_values<4, 1>(sc, width, nullptr, 0, m, vk, d, dp, t, acc, false); break;
+          }
+    }
+#undef LOSSLESS_VALUES
+    for (int64_t g = 0; g < g_count; ++g) {
+      const float total = total_of(sc + g * width, m);
+      T* o = op + (row * h + h0 + g) * d;
+      for (int64_t e = t0; e < std::min(d, t0 + lanes_c * LANES); ++e) o[e] = from_float<T>(acc[g * dp + e] / total);
+    }
+  }
 
   void item(int64_t a, AttentionScratch& s) const {
     const int64_t block = a / (kvh * parts), kv = a / parts % kvh, h0 = kv * groups + a % parts * per;
@@ -946,6 +1155,17 @@ void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Te
 #endif
   const Attention<T> base{qp, kp, vp, op, kt, ks, vs, h, d, dp, kvh, groups, n, tiles, 1, 1, scale, &keys};
   const Attention<T> plan = base.with_items(q, at::get_num_threads());
+  if (plan.split) {
+    typename Attention<T>::Shared shared;
+    shared.size_for(plan);
+    for (int pass = 0; pass < 3; ++pass)
+      at::parallel_for(0, plan.split_units(pass), 1, [&](int64_t u0, int64_t u1) {
+        const FlushDenormals flush_here;
+        AttentionScratch scratch(d);
+        for (int64_t u = u0; u < u1; ++u) plan.split_unit(pass, u, scratch, shared);
+      });
+    return;
+  }
   at::parallel_for(0, plan.items(), 1, [&](int64_t a0, int64_t a1) {
     const FlushDenormals flush_here;
     AttentionScratch scratch(d);
@@ -968,6 +1188,18 @@ inline void rms_row(const T* xi, const T* wp, int64_t c, float e, T* out) {
 template <typename T> inline T silu_one(T x) {
   const float v = to_float(x);
   return from_float<T>(v / (1.0f + exp_fixed(-v)));
+}
+
+// silu_one of x[0..n-1] into out, 16 lanes at a time (the same operations, so the same bits)
+template <typename T> inline void silu_many(const T* x, int64_t n, T* out) {
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    const V16 v = V16::load(x + i);
+    float y[LANES];
+    v.div(V16::splat(1.0f).add(exp_fixed(V16::splat(-1.0f).mul(v)))).store(y);
+    for (int64_t l = 0; l < LANES; ++l) out[i + l] = from_float<T>(y[l]);
+  }
+  for (; i < n; ++i) out[i] = silu_one(x[i]);
 }
 
 // The Llama/Qwen RMSNorm: y = w * T(x * rsqrt(mean(x^2) + eps)), statistics in fp32; x [m, c], w [c]
@@ -993,7 +1225,7 @@ void silu_impl(const at::Tensor& x, at::Tensor& out) {
   T* op = out.data_ptr<T>();
   at::parallel_for(0, numel, 2048, [&](int64_t i0, int64_t i1) {
     const FlushDenormals flush_here;
-    for (int64_t i = i0; i < i1; ++i) op[i] = silu_one(xp[i]);
+    silu_many(xp + i0, i1 - i0, op + i0);
   });
 }
 
@@ -1251,6 +1483,7 @@ struct StackRun {
   Rows<T> rows_in, rows_a, rows_h, rows_act;
   std::vector<float> kt_build;  // fp32 key tiles built per layer (without AVX-512)
   SpinBarrier barrier;
+  typename Attention<T>::Shared split_scratch;  // a split attention's (`Attention::with_split`)
   uint64_t caller_mode;
 
   StackRun(const Stack& s, const at::Tensor& x0, const at::Tensor& c, const at::Tensor& sn, const at::Tensor& visible,
@@ -1317,6 +1550,10 @@ struct StackRun {
     FloatMode::set(caller_mode);  // the base every step's mode is set from
     int sense = 0;
     const auto sync = [&] { barrier.wait(sense); };
+    int64_t d_most = 0;
+    for (const Stack::Layer& L : stack.layers) d_most = std::max(d_most, L.head_dim);
+    AttentionScratch scratch(d_most);
+    std::array<int64_t, 4> split_shape{};  // what split_scratch was last sized for
     int64_t b, e;
     for (size_t l = 0; l < stack.layers.size(); ++l) {
       const Stack::Layer& L = stack.layers[l];
@@ -1380,13 +1617,29 @@ struct StackRun {
       const Attention<T> plan = Attention<T>{qr.data(), kc, vc, a.data(), kt, ks, ks, heads, hd, dp, kvh, heads / kvh,
                                              keys_n, tiles_n, 1, 1, static_cast<float>(L.scaling), &seen, tc, tstride}
                                     .with_items(m, threads);
-      share(plan.items(), t, threads, 1, b, e);
-      {
-        const FlushDenormals flush;
-        AttentionScratch scratch(hd);
-        for (int64_t i = b; i < e; ++i) plan.item(i, scratch);
+      if (plan.split) {
+        const std::array<int64_t, 4> shape{plan.items() * plan.per, plan.width, plan.segs, plan.dp};
+        if (shape != split_shape) {  // the same on every thread: the plan is
+          split_shape = shape;
+          if (t == 0) split_scratch.size_for(plan);
+          sync();
+        }
+        for (int pass = 0; pass < 3; ++pass) {
+          share(plan.split_units(pass), t, threads, 1, b, e);
+          {
+            const FlushDenormals flush;
+            for (int64_t i = b; i < e; ++i) plan.split_unit(pass, i, scratch, split_scratch);
+          }
+          sync();
+        }
+      } else {
+        share(plan.items(), t, threads, 1, b, e);
+        {
+          const FlushDenormals flush;
+          for (int64_t i = b; i < e; ++i) plan.item(i, scratch);
+        }
+        sync();
       }
-      sync();
       // 5. o's input
       share(m * rows_a.steps, t, threads, 1, b, e);
       rows_a.fill_flat(a.data(), b, e);
@@ -1411,7 +1664,7 @@ struct StackRun {
           const int64_t col0 = r * inter + (s0 - r * steps) * per, col1 = r * inter + std::min(inter, (s1 - r * steps) * per);
           {
             const FlushDenormals flush;
-            for (int64_t c = col0; c < col1; ++c) act[c] = silu_one(g[c]);
+            silu_many(g.data() + col0, col1 - col0, act.data() + col0);
           }
           FloatMode::set(caller_mode);
           for (int64_t c = col0; c < col1; ++c) act[c] = from_float<T>(to_float(act[c]) * to_float(u[c]));
