@@ -779,13 +779,26 @@ inline void weighted_values(const float* scores, int64_t stride, const int32_t* 
     for (int c = 0; c < C; ++c) sum[g][c].store(acc + g * dp + t0 + c * LANES);
 }
 
-// every chunk of the head dim through `weighted_values`, C chunks at a time (acc: [G, dp]): as many as the
-// registers hold (a head dim of 64 in one pass reads each value row whole, one stream)
+// every chunk of the head dim through `weighted_values`, C chunks at a time (acc: [G, dp]): with AVX-512 four
+// (a head dim of 64 in one pass reads each value row whole, one stream), more than six rows in groups of six
+// over each block of keys in turn (each chain still runs over the keys in order)
 template <int G, typename T>
 inline void weighted_value_rows(const float* scores, int64_t stride, const int32_t* keys, int64_t j0, int64_t j1,
                                 const T* v, int64_t d, int64_t dp, float* acc, bool resume) {
 #if defined(LOSSLESS_V16_AVX512)
-  constexpr int C = G <= 6 ? 4 : 2;
+  if constexpr (G > 6) {  // six rows and the rest, a block of keys at a time (the block's values read once)
+    constexpr int64_t BLOCK = 64;
+    int64_t jb = j0;
+    do {  // at least once: no keys still sets the chains to zero (or keeps them, resuming)
+      const int64_t je = std::min(j1, jb + BLOCK);
+      const bool more = resume || jb > j0;
+      weighted_value_rows<6>(scores, stride, keys, jb, je, v, d, dp, acc, more);
+      weighted_value_rows<G - 6>(scores + 6 * stride, stride, keys, jb, je, v, d, dp, acc + 6 * dp, more);
+      jb = je;
+    } while (jb < j1);
+    return;
+  }
+  constexpr int C = 4;
 #else
   constexpr int C = G <= 2 ? 4 : 2;
 #endif
@@ -943,12 +956,25 @@ struct Attention {
     a.per = m * kvh >= threads ? 4 : 1;
     a.parts = (groups + a.per - 1) / a.per;
     const int64_t heads = std::min(a.per, groups);
-    a.rows_per = 1;
-    for (int64_t r = 3; r > 1; --r)
-      if (r * heads <= MOST_QUERIES && (m + r - 1) / r * kvh * a.parts >= (r == 3 ? 2 : 1) * threads) {
-        a.rows_per = r;
-        break;
+    // rows an item takes: the fewest for the busiest thread (the threads take items in contiguous shares; an
+    // item costs a read of its keys and values, READ rows' worth, and its rows), the most rows on a tie
+    constexpr int64_t READ = 2;
+    int64_t least = INT64_MAX;
+    for (int64_t r = 3; r >= 1; --r) {
+      if (r > 1 && r * heads > MOST_QUERIES) continue;
+      const int64_t per_block = kvh * a.parts, count = (m + r - 1) / r * per_block;
+      int64_t busiest = 0;
+      for (int t = 0; t < threads; ++t) {
+        int64_t cost = 0;
+        for (int64_t i = count * t / threads; i < count * (t + 1) / threads; ++i)
+          cost += READ + std::min(r, m - i / per_block * r);
+        busiest = std::max(busiest, cost);
       }
+      if (busiest < least) {
+        least = busiest;
+        a.rows_per = r;
+      }
+    }
     return a.with_split(threads);
   }
 
