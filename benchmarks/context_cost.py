@@ -87,6 +87,10 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
         attns = list(dict.fromkeys(a for a in args.attn.split(",") if a))
         models = {a: lossless.load_model(args.model, args.dtype, attn=a, head="none") for a in attns}
+        limit = next(iter(models.values())).backbone.config.max_position_embeddings
+        if max(contexts) + max(ROWS.values()) > limit:
+            raise LosslessError(f"--contexts: {max(contexts)} tokens and a {max(ROWS.values())}-row verify pass "
+                                f"{args.model}'s context of {limit}; choose contexts up to {limit - max(ROWS.values())}")
         peer = None
         if args.llama_cpp:
             import peers
