@@ -252,9 +252,10 @@ def test_exact_mode_reports_what_it_replaced():
 
 
 def test_exact_mode_keeps_frozen_weights_as_panels_only(family):
-    """One copy of the weights: every frozen linear weight no other module shares lives as its panels only (the
-    module's `weight` a meta tensor); stock passes (scoring) and the head's int8 reference see it unpacked bit
-    for bit; trainable weights (the draft head's) and tied ones keep their tensors."""
+    """One copy of the weights: every frozen linear weight lives as its panels only (the module's `weight` a meta
+    tensor), the tied LM head's too, the embedding then gathering its rows from those panels; stock passes
+    (scoring) and the head's int8 reference see the weights unpacked bit for bit; trainable weights (the draft
+    head's) keep their tensors."""
     from lossless.decoding import exact
     from lossless.decoding.dualview import diff_reference_parameters
 
@@ -266,10 +267,16 @@ def test_exact_mode_keeps_frozen_weights_as_panels_only(family):
                if isinstance(m, torch.nn.Linear)}
     ids = list(range(3, 40))
     scored = model.score(ids[:5], ids[5:])
+    device, dtype = model.device, model.dtype
     model.set_attn("exact")
     linears = {name: m for name, m in backbone.named_modules() if isinstance(m, PackedLinearMixin)}
     released = {name for name, m in linears.items() if m.released()}
-    assert released == {n for n in linears if "_diff" not in n and n != "lm_head"}
+    assert released == {n for n in linears if "_diff" not in n}
+    embed = backbone.model.embed_tokens
+    assert embed.weight.is_meta and embed.weight is backbone.lm_head.weight
+    every = torch.arange(backbone.config.vocab_size)
+    assert torch.equal(embed(every[None])[0], weights["lm_head"])  # each row gathered from the panels
+    assert (model.device, model.dtype) == (device, dtype)
     assert all(linears[n].weight.device.type == "meta" for n in released)
     assert not any(linears[n].weight.is_meta for n in set(linears) - released)
     for name in released:
@@ -296,6 +303,18 @@ def test_exact_mode_keeps_frozen_weights_as_panels_only(family):
 def test_unpacking_a_packed_weight_gives_it_back_bit_for_bit(dtype, n, k, seed):
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
     assert torch.equal(kernels.unpack_weight(kernels.pack_weight(w), n, k), w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 70), k=st.integers(1, 70), shape=st.sampled_from([(5,), (1, 7), (2, 3)]),
+       seed=st.integers(0, 2**16))
+def test_rows_gathered_from_the_panels_are_the_embedding_lookup(dtype, n, k, shape, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    ids = torch.randint(0, n, shape, generator=gen)
+    rows = kernels.embedding_rows(kernels.pack_weight(w), ids, k)
+    assert torch.equal(rows, torch.nn.functional.embedding(ids, w))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -177,6 +177,16 @@ class PackedLinearMixin:
         return self._lossless_packed
 
 
+class PanelRowsMixin:
+    """An embedding tied to a linear layer's weight (a tied LM head) that lives as that layer's panels only: a
+    token's row is gathered from the panels (`kernels.embedding_rows`, a copy, so the same bits as the lookup in
+    the weight). The module's `weight` is the linear's meta placeholder, so one copy of the matrix stays."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        linear = self.__dict__["_lossless_rows_of"]
+        return kernels.embedding_rows(linear.packed(), ids, self.embedding_dim)
+
+
 class NormMixin:
     """An RMSNorm of the Llama/Qwen kind (`weight * (x / sqrt(mean(x^2) + eps))` cast to x's dtype) computed by
     `kernels.rms_norm`: the mean of squares in a fixed order, one row at a time."""
@@ -548,25 +558,41 @@ def make_batch_invariant(backbone: torch.nn.Module) -> list[str]:
 
 
 def release_frozen_weights(backbone: torch.nn.Module) -> int:
-    """Keep every frozen linear weight that no other module shares (a tied LM head shares the embedding's) as
-    its panels only: exact mode then holds one copy of those weights, not two. Returns how many it released."""
-    holders: dict[int, int] = {}
+    """Keep every frozen linear weight as its panels only: exact mode then holds one copy of those weights, not
+    two. A weight no other module shares goes at once; one shared with an embedding alone (a tied LM head) goes
+    too, the embedding then gathering its rows from the same panels (`PanelRowsMixin`). Returns how many
+    weights it released."""
+    holders: dict[int, list[torch.nn.Module]] = {}
     for module in backbone.modules():
         for p in module._parameters.values():
             if p is not None:
-                holders[id(p)] = holders.get(id(p), 0) + 1
+                holders.setdefault(id(p), []).append(module)
     released, mapped = 0, _file_mappings()
     for module in backbone.modules():
         if isinstance(module, PackedLinearMixin) and not module.released():
             w = module.weight
-            if not w.requires_grad and holders.get(id(w), 0) == 1 and w.device.type == "cpu":
-                start, end = w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()
-                module.release_weight()
-                _drop_file_pages(start, end, mapped)
-                released += 1
+            others = [m for m in holders.get(id(w), []) if m is not module]
+            tied = [m for m in others if _gathers_rows(m, module)]
+            if w.requires_grad or w.device.type != "cpu" or len(tied) != len(others) or len(others) > 1:
+                continue
+            start, end = w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()
+            module.release_weight()
+            for embedding in tied:
+                _swap_class(embedding, PanelRowsMixin)
+                embedding.__dict__["_lossless_rows_of"] = module  # not a submodule: no second owner of it
+                embedding.weight = module.weight  # the meta placeholder
+            _drop_file_pages(start, end, mapped)
+            released += 1
     if released:
         _return_freed_memory()
     return released
+
+
+def _gathers_rows(module: torch.nn.Module, linear: torch.nn.Module) -> bool:
+    """Whether `module` is a plain embedding of `linear`'s weight, whose lookup a gather from the panels gives
+    exactly (no max_norm renormalising rows in place)."""
+    return (isinstance(module, torch.nn.Embedding) and module.max_norm is None
+            and module.weight.shape == (linear.out_features, linear.in_features))
 
 
 def _file_mappings() -> list[tuple[int, int]]:

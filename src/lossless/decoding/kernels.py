@@ -176,23 +176,54 @@ def build(cflags: list[str]):
     from torch.utils import cpp_extension
 
     # the build runs ninja; the one pip installed (a dependency) counts even if its folder is not on PATH
-    try:
-        import ninja
-
-        bin_dir = ninja.BIN_DIR
-    except ImportError:
-        bin_dir = str(Path(sys.executable).parent)
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+    bin_dir = _ninja_dir()
+    if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     where = build_dir(cflags)
     try:
         where.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(name=f"lossless_exact_{where.name}", sources=[str(SOURCES[0])], extra_cflags=cflags,
+        sources = _sources_in(where)
+        return cpp_extension.load(name=f"lossless_exact_{where.name}", sources=[str(sources[0])], extra_cflags=cflags,
                                   extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
     except (OSError, RuntimeError, ImportError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise LosslessError(f"exact mode could not build its CPU kernels in {where} ({first[:160]}); it needs "
                             f"g++ and a writable $LOSSLESS_CACHE, or use --attn sdpa") from None
+
+
+def _ninja_dir() -> str | None:
+    """The folder of the ninja pip installed (a dependency), so that every install builds with the same ninja
+    (another version keeps another log, and would build the same extension again): ninja's own answer, else the
+    scripts folder of the environment its package sits in (an environment that borrows another's packages
+    gets no answer from it), else the interpreter's folder; None when none holds a ninja (then PATH's)."""
+    candidates = []
+    try:
+        import ninja
+
+        candidates += [ninja.BIN_DIR] if ninja.BIN_DIR else []
+        candidates.append(str(Path(ninja.__file__).resolve().parents[4] / "bin"))  # <prefix>/lib/pythonX.Y/site-packages/ninja
+    except (ImportError, IndexError):
+        pass
+    candidates.append(str(Path(sys.executable).parent))
+    return next((c for c in candidates if (Path(c) / "ninja").is_file()), None)
+
+
+def _sources_in(where: Path) -> list[Path]:
+    """The kernel sources, copied into the build folder (named by their digest, so a copy there is never stale)
+    and built from there: every install of the same sources (a checkout, a wheel) finds the same build instead
+    of compiling again because the files sit elsewhere. A copy is written whole and renamed into place, and only
+    when missing or different, so a build's inputs never change under it."""
+    folder = where / "src"
+    folder.mkdir(exist_ok=True)
+    copies = []
+    for source in SOURCES:
+        copy, data = folder / source.name, source.read_bytes()
+        if not copy.is_file() or copy.read_bytes() != data:
+            part = copy.with_name(f".{copy.name}.{os.getpid()}.tmp")
+            part.write_bytes(data)
+            os.replace(part, copy)
+        copies.append(copy)
+    return copies
 
 
 PANEL = 16  # outputs per weight panel: the kernels' lane count

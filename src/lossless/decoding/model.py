@@ -69,13 +69,21 @@ class OrthrusLM(nn.Module):
     def config(self):
         return self.backbone.config
 
+    def _held_parameter(self) -> torch.Tensor:
+        """A parameter of the backbone that holds its values (exact mode keeps some weights as panels only, their
+        `weight` a meta tensor): where the model lives and in which dtype."""
+        emb = self.backbone.get_input_embeddings().weight
+        if not emb.is_meta:
+            return emb
+        return next(p for p in self.backbone.parameters() if not p.is_meta)
+
     @property
     def device(self) -> torch.device:
-        return self.backbone.get_input_embeddings().weight.device
+        return self._held_parameter().device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.backbone.get_input_embeddings().weight.dtype
+        return self._held_parameter().dtype
 
     @property
     def dtype_name(self) -> str:
@@ -275,7 +283,7 @@ class OrthrusLM(nn.Module):
         if self.mask_embedding is not None:
             mask = self.mask_embedding.to(anchors.dtype)
         else:
-            mask = embed.weight[self.mask_token_id]
+            mask = embed(torch.tensor([self.mask_token_id], device=anchor_ids.device))[0]
         n = anchor_ids.shape[0]
         masks = mask.expand(n, k - 1, -1)  # [n, k-1, d]
         block = torch.cat([anchors[:, None], masks], dim=1)  # [n, k, d]
