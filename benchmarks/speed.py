@@ -14,7 +14,9 @@ The protocol (so that a ratio means something on a noisy machine):
 - HF methods always run the stock kernels (`generate` cannot drive exact mode's); every other method runs on
   each kernel of `--attn` (`orthrus@exact` is `orthrus` on the exact kernels), and a method on the second kernel
   reports its time per token against the same method on the first (`slowdown_vs_<kernel>`, paired, with its
-  interval), and on how many prompts its tokens equal `ar` on the same kernel.
+  interval), and on how many prompts its tokens equal `ar` on the same kernel;
+- the same paired ratio to `ar` on the same kernels (`vs_ar`) and to `llama_cpp` (`vs_llama_cpp`) where they ran;
+  the JSON keeps each method's per-prompt tokens/s, so any other ratio can be computed after.
 Tokens per step = tokens committed per decode cycle after the prefill (1.0 for plain AR); tokens per forward
 counts every model forward, prefill included. The last stdout line is one JSON object.
 
@@ -249,6 +251,11 @@ def main(argv=None) -> int:
         if "hf_generate" in variants:
             ratio = paired(tps[name], tps["hf_generate"])
             summary[name]["speedup_vs_hf_generate"], summary[name]["speedup_ci95"] = ratio["mean"], ratio["ci95"]
+        for other, key in (("llama_cpp", "vs_llama_cpp"), (ar_name, "vs_ar")):
+            if other in variants and other != name and not (key == "vs_ar" and (kernel == "peer" or kind in HF_METHODS)):
+                ratio = paired(tps[name], tps[other])
+                summary[name][key], summary[name][f"{key}_ci95"] = ratio["mean"], ratio["ci95"]
+        summary[name]["per_prompt_tokens_per_second"] = [round(x, 2) for x in tps[name]]
         if ar_name in first and kind not in HF_METHODS:
             summary[name]["prompts_equal_to_ar"] = sum(r["tokens"] == a["tokens"] for r, a in zip(rs, first[ar_name]))
         if hist[name]:
@@ -276,6 +283,11 @@ def main(argv=None) -> int:
         same = f"{s['prompts_equal_to_ar']}/{len(prompts)}" if "prompts_equal_to_ar" in s else "-"
         print(f"{m:<{width}}{s['tokens_per_second']:>10.1f}{s['tokens_per_step']:>10.2f}{s['tokens_per_forward']:>9.2f}"
               f"{sp:>26}{same:>7}")
+    for key, what in (("vs_ar", "ar's on the same kernels"), ("vs_llama_cpp", "llama.cpp's")):
+        for m, s in summary.items():
+            if key in s:
+                lo, hi = s[f"{key}_ci95"]
+                print(f"{m}: {s[key]:.2f}x [{lo:.2f}, {hi:.2f}] {what} tokens/s (paired over prompts)")
     for m, s in summary.items():
         for key, value in s.items():
             if key.startswith("slowdown_vs_"):
