@@ -237,8 +237,11 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     pairs = weight.dtype == torch.bfloat16
     kp = k + (k % 2 if pairs else 0)
-    padded = torch.zeros((n + PANEL - 1) // PANEL * PANEL, kp, dtype=weight.dtype, device=weight.device)
-    padded[:n, :k] = weight.detach()
+    if n % PANEL == 0 and kp == k:  # nothing to pad: no copy beside the panels (an LM head is a large matrix)
+        padded = weight.detach().contiguous()
+    else:
+        padded = torch.zeros((n + PANEL - 1) // PANEL * PANEL, kp, dtype=weight.dtype, device=weight.device)
+        padded[:n, :k] = weight.detach()
     panels = padded.view(-1, PANEL, kp)  # [p, 16, kp]
     if not pairs:
         return panels.transpose(1, 2).contiguous()  # [p, k, 16]
@@ -253,6 +256,16 @@ def unpack_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     else:  # [p, k, 16]
         weight = packed.transpose(1, 2).reshape(panels * PANEL, packed.shape[1])
     return weight[:n, :k].contiguous()
+
+
+def embedding_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows `ids` (any shape) of the weight [n, k] that `pack_weight` packed, gathered from the panels: bit for
+    bit `unpack_weight(packed, n, k)[ids]`, without unpacking the rest -> [*ids.shape, k]."""
+    panel, lane = torch.div(ids, PANEL, rounding_mode="floor"), ids % PANEL
+    if packed.dtype == torch.bfloat16:  # [p, kp/2, 32]: lane l's inputs 2s and 2s+1 at 2l, 2l+1 of step s
+        rows = packed.view(packed.shape[0], packed.shape[1], PANEL, 2)[panel, :, lane]  # [*ids, kp/2, 2]
+        return rows.reshape(*ids.shape, -1)[..., :k]
+    return packed[panel, :, lane][..., :k]  # [p, k, 16] -> [*ids, k]
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
