@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import NO_EOS, perturb_head, tiny_backbone
@@ -307,14 +307,18 @@ def test_unpacking_a_packed_weight_gives_it_back_bit_for_bit(dtype, n, k, seed):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @settings(max_examples=30, deadline=None)
-@given(n=st.integers(1, 70), k=st.integers(1, 70), shape=st.sampled_from([(5,), (1, 7), (2, 3)]),
+@given(n=st.integers(1, 70), k=st.integers(1, 70), shape=st.sampled_from([(5,), (1, 7), (2, 3), (0,)]),
        seed=st.integers(0, 2**16))
+@example(n=32, k=64, shape=(1, 7), seed=0)  # nothing to pad: the layout of real models' LM heads
 def test_rows_gathered_from_the_panels_are_the_embedding_lookup(dtype, n, k, shape, seed):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen).to(dtype)
     ids = torch.randint(0, n, shape, generator=gen)
-    rows = kernels.embedding_rows(kernels.pack_weight(w), ids, k)
-    assert torch.equal(rows, torch.nn.functional.embedding(ids, w))
+    packed = kernels.pack_weight(w)
+    assert torch.equal(kernels.embedding_rows(packed, ids, n, k), torch.nn.functional.embedding(ids, w))
+    for bad in (-1, n):  # outside the vocabulary: refused, as the lookup refuses it (not a padding row)
+        with pytest.raises(IndexError):
+            kernels.embedding_rows(packed, torch.tensor([0, bad]), n, k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

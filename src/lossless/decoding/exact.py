@@ -184,7 +184,7 @@ class PanelRowsMixin:
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         linear = self.__dict__["_lossless_rows_of"]
-        return kernels.embedding_rows(linear.packed(), ids, self.embedding_dim)
+        return kernels.embedding_rows(linear.packed(), ids, self.num_embeddings, self.embedding_dim)
 
 
 class NormMixin:
@@ -591,7 +591,7 @@ def release_frozen_weights(backbone: torch.nn.Module) -> int:
 def _gathers_rows(module: torch.nn.Module, linear: torch.nn.Module) -> bool:
     """Whether `module` is a plain embedding of `linear`'s weight, whose lookup a gather from the panels gives
     exactly (no max_norm renormalising rows in place)."""
-    return (isinstance(module, torch.nn.Embedding) and module.max_norm is None
+    return (type(module) is torch.nn.Embedding and module.max_norm is None  # a subclass may have its own forward
             and module.weight.shape == (linear.out_features, linear.in_features))
 
 

@@ -23,6 +23,7 @@ import math
 import os
 import platform
 import sys
+import tempfile
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import lru_cache
@@ -177,8 +178,9 @@ def build(cflags: list[str]):
 
     # the build runs ninja; the one pip installed (a dependency) counts even if its folder is not on PATH
     bin_dir = _ninja_dir()
-    if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    if bin_dir and path[:1] != [bin_dir]:  # first, ahead of any other ninja
+        os.environ["PATH"] = os.pathsep.join([bin_dir, *(p for p in path if p != bin_dir)])
     where = build_dir(cflags)
     try:
         where.mkdir(parents=True, exist_ok=True)
@@ -192,20 +194,20 @@ def build(cflags: list[str]):
 
 
 def _ninja_dir() -> str | None:
-    """The folder of the ninja pip installed (a dependency), so that every install builds with the same ninja
-    (another version keeps another log, and would build the same extension again): ninja's own answer, else the
-    scripts folder of the environment its package sits in (an environment that borrows another's packages
-    gets no answer from it), else the interpreter's folder; None when none holds a ninja (then PATH's)."""
-    candidates = []
-    try:
-        import ninja
+    """The folder of the ninja binary pip installed (a dependency; its package's own record says where), so that
+    every install builds with the same ninja: another version keeps another log and would build the same
+    extension again. None without it (then PATH's ninja)."""
+    from importlib.metadata import PackageNotFoundError, distribution
 
-        candidates += [ninja.BIN_DIR] if ninja.BIN_DIR else []
-        candidates.append(str(Path(ninja.__file__).resolve().parents[4] / "bin"))  # <prefix>/lib/pythonX.Y/site-packages/ninja
-    except (ImportError, IndexError):
-        pass
-    candidates.append(str(Path(sys.executable).parent))
-    return next((c for c in candidates if (Path(c) / "ninja").is_file()), None)
+    try:
+        dist = distribution("ninja")
+    except PackageNotFoundError:
+        return None
+    for file in dist.files or ():
+        path = Path(dist.locate_file(file))
+        if file.name == "ninja" and path.is_file() and os.access(path, os.X_OK):
+            return str(path.resolve().parent)
+    return None
 
 
 def _sources_in(where: Path) -> list[Path]:
@@ -219,8 +221,9 @@ def _sources_in(where: Path) -> list[Path]:
     for source in SOURCES:
         copy, data = folder / source.name, source.read_bytes()
         if not copy.is_file() or copy.read_bytes() != data:
-            part = copy.with_name(f".{copy.name}.{os.getpid()}.tmp")
-            part.write_bytes(data)
+            handle, part = tempfile.mkstemp(dir=folder, prefix=f".{copy.name}.", suffix=".tmp")
+            with os.fdopen(handle, "wb") as out:
+                out.write(data)
             os.replace(part, copy)
         copies.append(copy)
     return copies
@@ -258,13 +261,16 @@ def unpack_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return weight[:n, :k].contiguous()
 
 
-def embedding_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+def embedding_rows(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Rows `ids` (any shape) of the weight [n, k] that `pack_weight` packed, gathered from the panels: bit for
-    bit `unpack_weight(packed, n, k)[ids]`, without unpacking the rest -> [*ids.shape, k]."""
+    bit `unpack_weight(packed, n, k)[ids]`, without unpacking the rest -> [*ids.shape, k]. An id outside 0..n-1
+    raises IndexError, as an embedding's lookup does."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        raise IndexError(f"token ids must lie in 0..{n - 1}")
     panel, lane = torch.div(ids, PANEL, rounding_mode="floor"), ids % PANEL
     if packed.dtype == torch.bfloat16:  # [p, kp/2, 32]: lane l's inputs 2s and 2s+1 at 2l, 2l+1 of step s
         rows = packed.view(packed.shape[0], packed.shape[1], PANEL, 2)[panel, :, lane]  # [*ids, kp/2, 2]
-        return rows.reshape(*ids.shape, -1)[..., :k]
+        return rows.reshape(*ids.shape, 2 * packed.shape[1])[..., :k]
     return packed[panel, :, lane][..., :k]  # [p, k, 16] -> [*ids, k]
 
 
