@@ -306,6 +306,39 @@ def test_exact_mode_is_compared_with_exact_and_stock_references(tmp_path):
     assert labels["bf16/exact"]["exact_match_rate"] == 1.0 and "bf16/exact vs AR-sdpa" in labels
 
 
+def test_exact_pairs_of_an_earlier_kernel_build_are_decoded_again_beside_the_old_records(tmp_path, monkeypatch):
+    suite = write_suite(tmp_path / "s.jsonl")
+    out = tmp_path / "run"
+    cfg = lambda: config(suite, configs=["bf16/sdpa", "bf16/exact"])  # noqa: E731
+    run_audit(cfg(), out, load=tiny_loader, progress=False)
+    old = load_run(out)[0]
+    today = kernels.source_digest()
+    # the kernel sources change: the same command decodes every exact pair again, and only those
+    monkeypatch.setattr(kernels, "source_digest", lambda: "0123456789abcdef")
+    again = run_audit(cfg(), out, load=tiny_loader, progress=False)
+    assert again["new_records"] == 12
+    assert run_audit(cfg(), out, load=tiny_loader, progress=False)["new_records"] == 0  # and then it is done
+    records = read_records(out)
+    assert len(records) == 6 + 12 + 12
+    new = [r for r in records if str(r.get("kernels") or r.get("reference_kernels") or "").startswith("0123")]
+    assert len(new) == 12 and all(r["kernels"].startswith("0123456789abcdef/") for r in new)
+    # the new exact AR reference is decoded by the new build; the stock one is still reused from bf16/sdpa
+    assert all(not r["reference_reused"] for r in new if r["reference_attn"] == "exact")
+    assert all(r["reference_reused"] for r in new if r["reference_attn"] == "sdpa")
+    # same machine, same kernels: the same tokens as before
+    by_key = {r["key"]: r for r in old}
+    assert all(r["orthrus_ids"] == by_key[r["key"]]["orthrus_ids"] for r in new)
+    # the report names both builds, pools neither, and counts each planned pair once
+    summary = write_report(out)
+    labels = {c["label"]: c["n"] for c in summary["configs"]}
+    assert labels == {"bf16/sdpa": 6, f"bf16/exact (kernels {today[:8]})": 6, "bf16/exact (kernels 01234567)": 6,
+                      f"bf16/exact (kernels {today[:8]}) vs AR-sdpa": 6, "bf16/exact (kernels 01234567) vs AR-sdpa": 6}
+    assert summary["n_records"] == 30 and summary["n_decoded_again"] == 12
+    md = (out / "report.md").read_text()
+    assert "18 of 18 planned pairs done (complete). 12 more records hold pairs decoded again" in md
+    assert md.count("Not pooled:") == 2
+
+
 def test_audit_then_report_end_to_end_through_the_cli(tmp_path, monkeypatch, capsys):
     import lossless.decoding.models
 

@@ -84,6 +84,24 @@ def test_repair_keeps_unrolled_lines_and_drops_rolled_ones(tmp_path):
     assert len(store.segments()) == 2
 
 
+def test_a_pair_decoded_by_another_kernel_build_is_a_new_record_and_the_variant_is_not(tmp_path):
+    store = RecordStore(tmp_path, "all")
+    rows = [{"key": "p|bf16|exact", "kernels": None, "v": 0},            # before records named their kernels
+            {"key": "p|bf16|exact", "kernels": "aaaa/avx512bf16", "v": 1},
+            {"key": "p|bf16|exact", "kernels": "aaaa/avx2", "v": 2},     # same sources, same bits: a duplicate
+            {"key": "p|bf16|exact|ref-sdpa", "reference_kernels": None, "kernels": "bbbb/avx2", "v": 3},
+            {"key": "p|bf16|exact", "kernels": "bbbb/scalar", "v": 4},
+            {"key": "p|bf16|sdpa", "v": 5}, {"key": "p|bf16|sdpa", "v": 6}]
+    store.append(rows)
+    store.roll()
+    store.append([{"key": "p|bf16|exact", "kernels": "bbbb/avx512", "v": 7}])  # already rolled: dropped on reopening
+    RecordStore(tmp_path, "all")
+    assert [r["v"] for r in read_records(tmp_path)] == [0, 1, 3, 4, 5]
+    assert [records_mod.record_id(r) for r in read_records(tmp_path)] == [
+        "p|bf16|exact", "p|bf16|exact@aaaa", "p|bf16|exact|ref-sdpa@bbbb", "p|bf16|exact@bbbb", "p|bf16|sdpa"]
+    assert not (tmp_path / "records" / "all.jsonl").read_text()
+
+
 def test_a_clean_plain_file_is_left_as_it_is_on_opening(tmp_path):
     run = tmp_path / "run"
     (run / "records").mkdir(parents=True)

@@ -7,7 +7,9 @@ A run is a plan of configurations, each over all prompts of the suite or the fir
 configuration by configuration in the order given (cheap ones first, so a partial run is complete for
 them), prompts round-robin over domains. One JSON line per (prompt, configuration, reference) pair goes
 to the run's record store (`records.py`): flushed and fsynced per item, compressed into gzip segments
-that are committed, so a run resumes from any checkout on any machine and never repeats a pair.
+that are committed, so a run resumes from any checkout on any machine and never repeats a pair. An
+exact-mode pair is done when today's kernel build decoded it: after a change to the exact kernels' sources
+the same command decodes those pairs again, beside the earlier records (which the report names, not pools).
 
 - `--shard i/n` takes every n-th item; under `accelerate launch` (or `torchrun`) each process takes
   the shard of its rank. Shards write their own files; readers merge them.
@@ -48,7 +50,7 @@ from ..errors import LosslessError, not_utf8
 from ..names import ATTN_KERNELS, EXACT, positive_int
 from ..paths import check_writable_dir, exclusive_lock, write_atomically
 from ..decoding.model import OrthrusLM
-from .records import RecordStore, read_records, writer_name
+from .records import RecordStore, read_records, record_id, writer_name
 from ..stats import first_divergence, levenshtein
 from ..text import encode_prompt
 
@@ -383,9 +385,12 @@ def compute_reference(model: OrthrusLM, ids: list[int], dcfg: DecodeConfig) -> R
                      ar.stats.forwards, ar.stats.seconds, tops=ar.tops)
 
 
-def item_keys(prompt_id: str, dtype: str, attn: str, candidate: str) -> list[str]:
-    """The record keys one candidate of one item writes (one per reference kernel)."""
-    return [record_key(prompt_id, dtype, attn, ref_attn, candidate) for ref_attn in reference_kernels(attn)]
+def item_ids(prompt_id: str, dtype: str, attn: str, candidate: str) -> list[str]:
+    """The ids (`records.record_id`) of the records one candidate of one item writes today (one per reference
+    kernel): an exact-mode item decoded by an earlier kernel build is still to do on today's."""
+    build = kernel_build(attn)
+    return [record_id({"key": record_key(prompt_id, dtype, attn, ref_attn, candidate), "kernels": build})
+            for ref_attn in reference_kernels(attn)]
 
 
 def audit_prompt(models: dict, prompt: dict, dtype: str, attn: str, cfg: AuditConfig,
@@ -523,7 +528,7 @@ def _run_locked(cfg: AuditConfig, run_dir: Path, suite: list[dict], work: list, 
         open_run(run_dir, cfg, planned, command or sys.argv)
     store = RecordStore(run_dir, writer_name(shard_t), roll_seconds=roll_seconds)
     existing = read_records(run_dir)
-    done = {r["key"] for r in existing}
+    done = {record_id(r) for r in existing}
     machine = machine_id()
     known = _reusable(existing, machine)
     del existing
@@ -531,7 +536,7 @@ def _run_locked(cfg: AuditConfig, run_dir: Path, suite: list[dict], work: list, 
     def missing(item) -> list[str]:
         """The candidates of an item still to run (an item's records are written together, per run)."""
         prompt, dtype, attn = item
-        return [c for c in cfg.candidates if not all(k in done for k in item_keys(prompt["id"], dtype, attn, c))]
+        return [c for c in cfg.candidates if not all(i in done for i in item_ids(prompt["id"], dtype, attn, c))]
 
     todo = [(w, m) for w in mine if (m := missing(w))]
     n_new = 0
@@ -546,7 +551,7 @@ def _run_locked(cfg: AuditConfig, run_dir: Path, suite: list[dict], work: list, 
             if (dtype, attn) not in models:
                 models[(dtype, attn)] = load(dtype, attn)
             records = [r for r in audit_prompt(models, prompt, dtype, attn, cfg, known, machine, names)
-                       if r["key"] not in done]
+                       if record_id(r) not in done]
             # all records of an item in one write: a kill leaves the item wholly done or wholly to redo
             store.append(records)
             known.update(_reusable(records, machine))

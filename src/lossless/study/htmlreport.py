@@ -27,6 +27,7 @@ from pathlib import Path
 from ..errors import LosslessError
 from ..jsonio import atomic_write
 from ..stats import first_divergence
+from .records import record_id
 
 REJOIN_TOKENS = 4  # two texts "meet again" where they share this many tokens in a row after the divergence
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -101,10 +102,10 @@ def page_data(records: list[dict], labels: dict[str, str], prompts: dict[str, st
         for top in (r.get("ref_top_at_divergence"), r.get("orthrus_top_at_divergence")):
             used.update(int(t) for t, _ in top or [])
         log_ppl = _finite(r.get("ref_log_ppl"))
-        cols["key"].append(str(r["key"]))
+        cols["key"].append(record_id(r))
         cols["pid"].append(str(r.get("prompt_id", "")))
         cols["dom"].append(name("domain", str(r.get("domain", "?"))))
-        cols["cfg"].append(name("config", labels[str(r["key"])]))
+        cols["cfg"].append(name("config", labels[record_id(r)]))
         cols["cand"].append(name("candidate", str(r.get("candidate") or "orthrus")))
         cols["match"].append(1 if match else 0)
         cols["div"].append(None if match else div)

@@ -11,8 +11,10 @@ A run directory keeps its per-pair records under `records/`:
   file. Segments are what is committed: a run continues on any machine from a checkout, and records
   written by several machines (different writer names or times) merge by file name, without conflicts.
 
-Readers take every segment and plain file in name order; the first record seen for a key wins, so a
-kill between writing a segment and emptying the plain file (which leaves both) costs nothing.
+Readers take every segment and plain file in name order; the first record seen for an id wins, so a
+kill between writing a segment and emptying the plain file (which leaves both) costs nothing. A record's id
+(`record_id`) is its key, plus the source digest of the exact kernels that decoded it where it names them: a
+pair decoded again by another kernel build is a new record beside the old one, never a duplicate of it.
 
 A plain file is appended to, rolled and repaired under an exclusive `flock`, and emptied in place, so any
 process may roll any writer's plain file, even while that writer runs (`roll_all`, which the at-rest
@@ -67,6 +69,14 @@ def _lines(path: Path) -> Iterator[str]:
                     yield line
 
 
+def record_id(rec: dict) -> str:
+    """A record's identity: its key, then `@<kernel source digest>` when it names the exact kernels that decoded
+    it (`kernels` or `reference_kernels`, "<digest>/<variant>": the variant never changes a bit, so it is not
+    part of the id). Records from before records named their kernels, and stock-kernel records, are their key."""
+    build = rec.get("kernels") or rec.get("reference_kernels")
+    return str(rec["key"]) + (f"@{str(build).split('/')[0]}" if build else "")
+
+
 def _parse(line: str) -> dict | None:
     try:
         rec = json.loads(line)
@@ -98,7 +108,7 @@ def record_files(run_dir: str | Path, at_rest: bool = False) -> list[Path]:
 
 
 def read_records(run_dir: str | Path, at_rest: bool = False, corrupt: list | None = None) -> list[dict]:
-    """All records of a run, deduplicated by key (first seen wins), in file order (`at_rest`: see
+    """All records of a run, deduplicated by `record_id` (first seen wins), in file order (`at_rest`: see
     `record_files`). A complete line that is not a record (not JSON, or no key) is skipped; with `corrupt`, one
     entry (file name, line number) is appended per such line, so the caller can say so. A torn last line (a
     writer killed mid-line) is not corrupt: it is the normal end of a killed run's file."""
@@ -110,8 +120,8 @@ def read_records(run_dir: str | Path, at_rest: bool = False, corrupt: list | Non
                 if corrupt is not None and line.strip():
                     corrupt.append((path.name, lineno))
                 continue
-            if rec["key"] not in seen:
-                seen.add(rec["key"])
+            if (rid := record_id(rec)) not in seen:
+                seen.add(rid)
                 out.append(rec)
     return out
 
@@ -141,9 +151,9 @@ class RecordStore:
             original = data = f.read()
             if data and not data.endswith(b"\n"):
                 data = data[: data.rfind(b"\n") + 1]
-            rolled = {r["key"] for seg in self.segments() for r in map(_parse, _lines(seg)) if r is not None}
+            rolled = {record_id(r) for seg in self.segments() for r in map(_parse, _lines(seg)) if r is not None}
             kept = [ln for ln in data.decode("utf-8", errors="replace").splitlines(keepends=True)
-                    if (r := _parse(ln)) is not None and r["key"] not in rolled]
+                    if (r := _parse(ln)) is not None and record_id(r) not in rolled]
             if "".join(kept).encode("utf-8") != original:
                 if kept:
                     _write_segment(self.plain, self.writer, kept)

@@ -22,7 +22,7 @@ from ..jsonio import atomic_write
 from ..plots import new_figure, save_figure
 from ..stats import logistic_regression, wilson_interval
 from . import reference as refcmp
-from .records import read_records, record_files
+from .records import read_records, record_files, record_id
 
 # The replication's figures (ORTHRUS.md §2). Coefficients are paired with the two models in the order
 # the paper lists them: the authors' checkpoint first, the independently trained one second.
@@ -50,7 +50,7 @@ def load_run(run_dir, at_rest: bool = False) -> tuple[list[dict], dict]:
     if not run_dir.is_dir():
         raise LosslessError(f"run directory {run_dir} does not exist: pass the --out directory of `lossless audit`")
     corrupt: list = []
-    records = sorted(read_records(run_dir, at_rest, corrupt), key=lambda r: str(r["key"]))
+    records = sorted(read_records(run_dir, at_rest, corrupt), key=lambda r: record_id(r))
     run_info: dict = {}
     info_path = run_dir / "run.json"
     if info_path.is_file():
@@ -166,17 +166,17 @@ def _decode_seconds(records: list[dict]) -> dict[str, float]:
     record (by key) that computed it, i.e. not marked `reference_reused`; early candidate runs left the flag
     unset on every candidate sharing one computation, so a reference counts once per (prompt, dtype,
     reference kernel, machine). The reference's perplexity pass is not counted."""
-    ordered = sorted(records, key=lambda r: str(r["key"]))
+    ordered = sorted(records, key=lambda r: record_id(r))
     runs: dict[tuple, dict] = {}
     for r in ordered:
         dtype, attn, ref, candidate = _config(r)
-        run = (r["prompt_id"], dtype, attn, candidate) if r.get("prompt_id") is not None else (str(r["key"]),)
+        run = (r["prompt_id"], dtype, attn, candidate) if r.get("prompt_id") is not None else (record_id(r),)
         if run not in runs or (ref == attn and _config(runs[run])[2] != attn):
             runs[run] = r
-    charged_runs = {str(r["key"]) for r in runs.values()}
+    charged_runs = {record_id(r) for r in runs.values()}
     seconds, references = {}, set()
     for r in ordered:
-        key = str(r["key"])
+        key = record_id(r)
         dtype, _, ref, _ = _config(r)
         t = float(r.get("orthrus_seconds") or 0.0) if key in charged_runs else 0.0
         reference = (r["prompt_id"], dtype, ref, str(r.get("machine") or "")) if r.get("prompt_id") is not None \
@@ -237,8 +237,8 @@ def summarise(records: list[dict], run_info: dict, reference: str | None = None)
                         "mean_first_divergence": _diverging_first(recs),
                         "mean_levenshtein": _mean(r.get("levenshtein") for r in recs),
                         "cycle": cycle,
-                        "mean_seconds_per_pair": _mean(seconds[str(r["key"])] for r in recs),
-                        "compute_hours": sum(seconds[str(r["key"])] for r in recs) / 3600})
+                        "mean_seconds_per_pair": _mean(seconds[record_id(r)] for r in recs),
+                        "compute_hours": sum(seconds[record_id(r)] for r in recs) / 3600})
         by_domain: dict[str, list[dict]] = defaultdict(list)
         for r in recs:
             by_domain[str(r.get("domain", "?"))].append(r)
@@ -261,6 +261,9 @@ def summarise(records: list[dict], run_info: dict, reference: str | None = None)
     chosen = refcmp.choose(records, reference)
     against = refcmp.compare(records, chosen, _config, lambda key: config_label(*key)) if chosen else None
     extra = {k: run_info[k] for k in ("corrupt_lines", "kernel_versions") if run_info.get(k)}
+    # a pair decoded again by another kernel build is one planned pair with two records (named, not pooled)
+    again = len(records) - len({str(r["key"]) for r in records})
+    extra.update({"n_decoded_again": again} if again else {})
     return _finite({"n_records": len(records), "planned": planned if isinstance(planned, int) else None,
                     **extra, "configs": configs, "reference_comparison": against,
                     "domains": domains, "regression": regression, "ppl": ppl,
@@ -294,11 +297,14 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _progress(summary: dict) -> str:
-    n, planned = summary["n_records"], summary["planned"]
+    again = summary.get("n_decoded_again", 0)
+    n, planned = summary["n_records"] - again, summary["planned"]
+    more = f" {again} more records hold pairs decoded again by another kernel build, reported separately." \
+        if again else ""
     if planned:
         done = "complete" if n >= planned else f"{100 * n / planned:.0f}%"
-        return f"{n} of {planned} planned pairs done ({done})."
-    return f"{n} pairs."
+        return f"{n} of {planned} planned pairs done ({done})." + more
+    return f"{n} pairs." + more
 
 
 def _run_lines(run_info: dict) -> list[str]:
@@ -734,7 +740,7 @@ def write_page(out: Path, records: list[dict], run_info: dict, markdown: str, pl
     if tokenizer is None:
         notes.append(f"The tokenizer of model {cfg.get('model') or '(not recorded)'} could not be loaded here: "
                      "tokens show as ids.")
-    labels = {str(r["key"]): config_label(*_config(r)[:3]) for r in records}
+    labels = {record_id(r): config_label(*_config(r)[:3]) for r in records}
     return htmlreport.write_html(out, records, labels, markdown, plots, prompts, tokenizer, notes)
 
 
