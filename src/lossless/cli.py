@@ -365,7 +365,9 @@ def cmd_report(args) -> int:
     if args.at_rest:
         from .study.records import roll_all
 
-        for seg in roll_all(args.run_dir):
+        from .study.backfill import BACKFILL_DIR
+
+        for seg in roll_all(args.run_dir) + roll_all(args.run_dir, BACKFILL_DIR):
             print(f"rolled unrolled records into {seg}")
     summary = write_report(args.run_dir, out, at_rest=args.at_rest, reference=args.reference)
     if summary.get("corrupt_lines"):
@@ -386,6 +388,22 @@ def cmd_report(args) -> int:
         for c in against["configs"]:
             ar = "the reference" if c["is_reference"] else f"{100 * c['ar']['rate']:.1f}%"
             print(f"  {c['label']}: AR {ar}, candidate {100 * c['candidate']['rate']:.1f}% (n={c['n']})")
+    return 0
+
+
+def cmd_backfill(args) -> int:
+    from .paths import check_writable_dir
+    from .study.backfill import check_threads_hint, run_backfill
+
+    if args.limit is not None and args.limit < 1:
+        raise LosslessError(f"--limit must be a positive integer, got {args.limit}")
+    if not Path(args.run_dir).is_dir():
+        raise LosslessError(f"run directory {args.run_dir} does not exist: pass the --out directory of `lossless audit`")
+    check_writable_dir(Path(args.run_dir), "run directory")
+    result = run_backfill(args.run_dir, progress=not args.no_progress, limit=args.limit)
+    if hint := check_threads_hint(result):
+        print(f"lossless: {hint}", file=sys.stderr)
+    print(json.dumps(result))
     return 0
 
 
@@ -680,6 +698,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first roll every writer's plain records into compressed segments (safe while an "
                         "audit runs), then report from the segments only: what a checkout of them holds")
     r.set_defaults(func=cmd_report)
+
+    bf = sub.add_parser("backfill", help="top tokens at the divergence for records made before audits kept them: "
+                                         "each such pair decoded again up to its divergence, on the machine it names")
+    bf.add_argument("run_dir", help="the --out directory of `lossless audit`")
+    bf.add_argument("--limit", type=int, default=None, help="at most this many pairs (default: all; it resumes)")
+    bf.add_argument("--no-progress", action="store_true")
+    bf.set_defaults(func=cmd_backfill)
 
     pr = sub.add_parser("probe", help="name the first op where a block pass differs from one-token-at-a-time")
     _add_model_args(pr, dtype="bf16")

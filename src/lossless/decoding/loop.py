@@ -152,6 +152,9 @@ class DecodeConfig:
     groups: int | None = None  # fused: draft groups per forward, for acceptance counts 0..groups-1 (None = all)
     tree: int = 0  # two-pass, greedy: verify a tree of this many draft candidates (0 = the chain of top drafts)
     lookup: int = 0  # greedy, either cycle: verify up to this many tokens copied from earlier context (0 = none)
+    # end after the cycle that commits this many tokens (None = never), every forward as with max_new_tokens alone:
+    # a decode cut short this way is the start of the full decode, to the bit (a smaller max_new_tokens drafts less)
+    stop_after: int | None = None
 
 
 @dataclass
@@ -500,6 +503,10 @@ def fused_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: 
 
 
 # --------------------------------------------------------------------------------------------- the loop
+def _stopping_after(n: int, stop: Callable[[DecodeState], bool] | None) -> Callable[[DecodeState], bool]:
+    return lambda state: len(state.generated) >= n or (stop is not None and stop(state))
+
+
 def decode(model: DecodingModel, prompt_ids: list[int], mode: str = "orthrus", cfg: DecodeConfig | None = None,
            on_tokens: Callable[[list[int]], None] | None = None, drafter: Drafter = model_drafter,
            stop: Callable[[DecodeState], bool] | None = None) -> DecodeState:
@@ -522,6 +529,8 @@ def decode(model: DecodingModel, prompt_ids: list[int], mode: str = "orthrus", c
         state.drafts, state.draft_q = drafter(model, state, min(k, cfg.max_new_tokens - 1), cfg.sampling, generator)
     if on_tokens:
         on_tokens(state.generated)
+    if cfg.stop_after is not None:
+        stop = _stopping_after(cfg.stop_after, stop)
     if stop is not None and state.finished is None and stop(state):
         state.finished = "stop"
     while state.finished is None:

@@ -337,6 +337,11 @@ def kernel_build(attn: str) -> str | None:
     return f"{kernels.source_digest()}/{kernels.isa()}"
 
 
+def top_at(tops, i):
+    """The top tokens and logits of position `i` as records keep them (4 decimals, as the margins), or None."""
+    return [[t, round(v, 4)] for t, v in tops[i]] if tops and i is not None and i < len(tops) else None
+
+
 def pair_record(prompt: dict, prompt_ids: list[int], dtype: str, attn: str, reference_attn: str,
                 max_new_tokens: int, ref: Reference, run: cands.CandidateRun, candidate: str = cands.DEFAULT,
                 machine: str = "", head: str = "") -> dict:
@@ -347,9 +352,6 @@ def pair_record(prompt: dict, prompt_ids: list[int], dtype: str, attn: str, refe
     def margin(margins, i):
         return round(margins[i], 6) if margins is not None and i is not None and i < len(margins) else None
 
-    def top(tops, i):  # the top tokens and logits where the trajectories part (4 decimals, as the margins)
-        return [[t, round(v, 4)] for t, v in tops[i]] if tops and i is not None and i < len(tops) else None
-
     return {
         "key": record_key(prompt["id"], dtype, attn, reference_attn, candidate), "prompt_id": prompt["id"],
         "domain": prompt["domain"], "dtype": dtype, "attn": attn, "reference_attn": reference_attn,
@@ -358,7 +360,7 @@ def pair_record(prompt: dict, prompt_ids: list[int], dtype: str, attn: str, refe
         "ar_ids": a, "orthrus_ids": o, "exact_match": a == o, "first_divergence": div,
         "levenshtein": levenshtein(a, o),
         "ref_margin_at_divergence": margin(ref.margins, div), "orthrus_margin_at_divergence": margin(run.margins, div),
-        "ref_top_at_divergence": top(ref.tops, div), "orthrus_top_at_divergence": top(run.tops, div),
+        "ref_top_at_divergence": top_at(ref.tops, div), "orthrus_top_at_divergence": top_at(run.tops, div),
         "ref_log_ppl": ref.log_ppl, "response_length": len(a),
         "accepted": run.accepted, "tokens_per_step": run.tokens_per_step,
         "ar_forwards": ref.forwards, "orthrus_forwards": run.forwards,

@@ -67,7 +67,7 @@ def page_data(records: list[dict], labels: dict[str, str], prompts: dict[str, st
               notes: list[str]) -> dict:
     """The viewer's data, column by column (one entry per record in `records` order).
 
-    `labels`: record key -> configuration label (dtype/kernel, without the candidate). Sequences are stored
+    `labels`: record id (`records.record_id`) -> configuration label (dtype/kernel, without the candidate). Sequences are stored
     once (`seqs`); a pair holds the index of its reference (`ref`) and of its candidate's tail after the
     first divergence (`tail`; -1 when the two are equal)."""
     seqs: list[list[int]] = []
@@ -89,7 +89,7 @@ def page_data(records: list[dict], labels: dict[str, str], prompts: dict[str, st
         return values.index(value)
 
     cols: dict[str, list] = {c: [] for c in ("key", "pid", "dom", "cfg", "cand", "match", "div", "rm", "om", "lev",
-                                             "ref", "tail", "rt", "ot", "rejoin", "ppl")}
+                                             "ref", "tail", "rt", "ot", "tb", "rejoin", "ppl")}
     used: set[int] = set()
     for r in records:
         a, o = list(r.get("ar_ids") or []), list(r.get("orthrus_ids") or [])
@@ -116,6 +116,8 @@ def page_data(records: list[dict], labels: dict[str, str], prompts: dict[str, st
         cols["tail"].append(-1 if match else seq(o[div:]))
         cols["rt"].append(r.get("ref_top_at_divergence"))
         cols["ot"].append(r.get("orthrus_top_at_divergence"))
+        # top tokens decoded again after the audit (`backfill.py`): 1 reproduced, 0 not reproduced, None recorded
+        cols["tb"].append(None if r.get("tops_backfilled") is None else int(bool(r["tops_backfilled"])))
         cols["rejoin"].append(None if match else rejoin(a, o, div))
         cols["ppl"].append(None if log_ppl is None else round(math.exp(min(log_ppl, 700.0)), 4))
     used_prompts = {p: prompts[p] for p in dict.fromkeys(cols["pid"]) if p in prompts}

@@ -85,10 +85,11 @@ def _parse(line: str) -> dict | None:
     return rec if isinstance(rec, dict) and "key" in rec else None
 
 
-def record_files(run_dir: str | Path, at_rest: bool = False) -> list[Path]:
+def record_files(run_dir: str | Path, at_rest: bool = False, folder: str = RECORDS_DIR) -> list[Path]:
     """Every file holding records of a run: legacy top-level files first (unsharded, then shards in index
     order), then `records/` in name order (each writer's segments chronologically, its plain file last).
-    `at_rest`: only the compressed segments, i.e. what a checkout of the committed records holds."""
+    `at_rest`: only the compressed segments, i.e. what a checkout of the committed records holds. `folder`:
+    another store of the run directory kept the same way (e.g. the backfill's), without legacy files."""
     run_dir = Path(run_dir)
 
     def legacy_order(p: Path):
@@ -96,8 +97,8 @@ def record_files(run_dir: str | Path, at_rest: bool = False) -> list[Path]:
         return (0, 0, p.name) if not m.group(1) else (int(m.group(3)), int(m.group(2)), p.name)
 
     legacy = sorted((p for p in run_dir.glob("records*.jsonl") if p.is_file() and _LEGACY.match(p.name)),
-                    key=legacy_order)
-    store = run_dir / RECORDS_DIR
+                    key=legacy_order) if folder == RECORDS_DIR else []
+    store = run_dir / folder
     current = sorted(p for p in store.glob("*.jsonl*") if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz"))) \
         if store.is_dir() else []
     # a writer's plain file (`w.jsonl`) holds its newest records: read it after its segments (`w.<time>.jsonl.gz`)
@@ -107,13 +108,14 @@ def record_files(run_dir: str | Path, at_rest: bool = False) -> list[Path]:
     return legacy + current
 
 
-def read_records(run_dir: str | Path, at_rest: bool = False, corrupt: list | None = None) -> list[dict]:
+def read_records(run_dir: str | Path, at_rest: bool = False, corrupt: list | None = None,
+                 folder: str = RECORDS_DIR) -> list[dict]:
     """All records of a run, deduplicated by `record_id` (first seen wins), in file order (`at_rest`: see
     `record_files`). A complete line that is not a record (not JSON, or no key) is skipped; with `corrupt`, one
     entry (file name, line number) is appended per such line, so the caller can say so. A torn last line (a
     writer killed mid-line) is not corrupt: it is the normal end of a killed run's file."""
     out, seen = [], set()
-    for path in record_files(run_dir, at_rest):
+    for path in record_files(run_dir, at_rest, folder):
         for lineno, line in enumerate(_lines(path), 1):
             rec = _parse(line)
             if rec is None:
@@ -129,10 +131,11 @@ def read_records(run_dir: str | Path, at_rest: bool = False, corrupt: list | Non
 class RecordStore:
     """One writer's records: repair its plain file on opening, append items, roll them into segments."""
 
-    def __init__(self, run_dir: str | Path, writer: str, roll_seconds: float | None = None):
+    def __init__(self, run_dir: str | Path, writer: str, roll_seconds: float | None = None,
+                 folder: str = RECORDS_DIR):
         """roll_seconds: `append` also rolls once this long has passed since the last roll (None: never)."""
         self.run_dir = Path(run_dir)
-        self.dir = self.run_dir / RECORDS_DIR
+        self.dir = self.run_dir / folder
         self.writer = writer
         self.plain = self.dir / f"{writer}.jsonl"
         self.roll_seconds = roll_seconds
@@ -197,10 +200,10 @@ class RecordStore:
         return _roll(self.plain, self.writer)
 
 
-def roll_all(run_dir: str | Path) -> list[Path]:
+def roll_all(run_dir: str | Path, folder: str = RECORDS_DIR) -> list[Path]:
     """Roll every writer's plain file of a run into a segment (safe beside running writers); returns the
     new segments."""
-    store = Path(run_dir) / RECORDS_DIR
+    store = Path(run_dir) / folder
     plains = sorted(store.glob("*.jsonl")) if store.is_dir() else []
     return [seg for p in plains if (seg := _roll(p, p.name[: -len(".jsonl")])) is not None]
 

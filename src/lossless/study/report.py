@@ -21,6 +21,7 @@ from ..names import EXACT as EXACT_KERNEL
 from ..jsonio import atomic_write
 from ..plots import new_figure, save_figure
 from ..stats import logistic_regression, wilson_interval
+from . import backfill
 from . import reference as refcmp
 from .records import read_records, record_files, record_id
 
@@ -63,6 +64,9 @@ def load_run(run_dir, at_rest: bool = False) -> tuple[list[dict], dict]:
             raise LosslessError(f"run.json in {run_dir} is not a JSON object: {fix}")
     if corrupt:  # said in the summary, the report and (by the CLI) on stderr; never silently dropped
         run_info = {**run_info, "corrupt_lines": [f"{name}:{line}" for name, line in corrupt]}
+    notes = backfill.annotations(run_dir, at_rest)
+    if notes:  # top tokens decoded again for records from before the audit kept them (`backfill.py`)
+        records = backfill.apply(records, notes)
     records, split = name_kernel_versions(records)
     if split:
         run_info = {**run_info, "kernel_versions": split}
@@ -261,6 +265,9 @@ def summarise(records: list[dict], run_info: dict, reference: str | None = None)
     chosen = refcmp.choose(records, reference)
     against = refcmp.compare(records, chosen, _config, lambda key: config_label(*key)) if chosen else None
     extra = {k: run_info[k] for k in ("corrupt_lines", "kernel_versions") if run_info.get(k)}
+    tops = backfill.top_token_counts(records)
+    if tops["backfilled"] or tops["not_reproduced"] or tops["missing"]:  # said only where not all were recorded
+        extra["top_tokens"] = tops
     # a pair decoded again by another kernel build is one planned pair with two records (named, not pooled)
     again = len(records) - len({str(r["key"]) for r in records})
     extra.update({"n_decoded_again": again} if again else {})
@@ -424,6 +431,11 @@ def _markdown(summary: dict, run_dir: Path, run_info: dict, plots: list[tuple[st
         bad = summary["corrupt_lines"]
         L += [f"**{len(bad)} record line(s) could not be read and were skipped**: "
               + ", ".join(f"`{b}`" for b in bad[:10]) + (" ..." if len(bad) > 10 else "") + ".", ""]
+    if summary.get("top_tokens"):
+        t = summary["top_tokens"]
+        L += [f"Top tokens at the divergence: {t['diverging']} diverging pairs; recorded by the audit for "
+              f"{t['recorded']}, decoded again up to the divergence for {t['backfilled']} (`lossless backfill`), "
+              f"not reproduced on decoding again for {t['not_reproduced']}, not known for {t['missing']}.", ""]
     L += _run_lines(run_info)
     L += ["Exact match = identical generated token-id lists (length included), AR greedy reference vs "
           "the candidate decoder (Orthrus unless named). Intervals are Wilson 95%. First divergence and Levenshtein are in tokens; first "
@@ -697,6 +709,8 @@ def write_report(run_dir, out_dir=None, at_rest: bool = False, html: bool = True
     summary["plots"] = [name for name, _ in plots]
     if at_rest:  # which committed segments this summary was built from, so it can be rebuilt from exactly them
         summary["record_segments"] = [f.name for f in record_files(run_dir, at_rest=True)]
+        if notes := record_files(run_dir, True, backfill.BACKFILL_DIR):
+            summary["backfill_segments"] = [f.name for f in notes]
     markdown = _markdown(summary, run_dir, run_info, plots)
     atomic_write(out / "report.md", markdown)  # a full disk leaves the old file, never half of a new one
     atomic_write(out / "summary.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")

@@ -204,8 +204,12 @@ class Viewer {
         el("div", { className: "tops" },
           this.topTable("reference (AR greedy)", p.rt[i], ref[div]),
           this.topTable("candidate", p.ot[i], cand[div])));
-      if (!p.rt[i]) parts.push(el("p", { className: "hint", textContent:
-        "Top tokens are recorded by audits from this version on; older records keep the margin only." }));
+      const hint = p.tb[i] === 1
+        ? "These top tokens were found after the audit, by decoding the pair again up to the divergence on the machine that made it (lossless backfill); the tokens and the margin came out as recorded."
+        : p.tb[i] === 0
+          ? "Decoded again up to the divergence on the machine that made it, the pair did not reproduce its recorded tokens, so no top tokens are shown."
+          : !p.rt[i] ? "Top tokens are recorded by audits from this version on; older records keep the margin only." : null;
+      if (hint) parts.push(el("p", { className: "hint", textContent: hint }));
     }
     this.showPanel(parts);
     this.draw();

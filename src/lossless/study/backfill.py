@@ -1,0 +1,190 @@
+"""Top tokens at the divergence for records made before the audit recorded them.
+
+A record of a diverging pair names both sides' top tokens and logits where the trajectories part
+(`ref_top_at_divergence`, `orthrus_top_at_divergence`): that is where a reader sees how near a tie the flip
+was. Records from before those fields hold neither. `backfill` decodes each such pair again, on the machine
+and thread count that made it (the record's `machine`), up to its divergence only (`DecodeConfig.stop_after`:
+every forward as in the full decode, so the start of a decode is the start of the full one, to the bit),
+checks that the tokens up to and including the divergence are the recorded ones on both sides, and that the
+reference's margin there is the recorded one, and then keeps both sides' top tokens there:
+
+- annotations live in the run directory's `backfill/` folder, kept like the records (`records.py`: appended
+  and fsynced per pair, gzip segments committed), one line per record, under the record's id; a run killed
+  at any moment resumes where it stopped;
+- a pair whose decode does not reproduce the recorded tokens (another torch build behind the same machine
+  name, say) is annotated `reproduced: false` and keeps no tops: a table of top tokens the recorded decode
+  did not see is never shown;
+- records this machine cannot decode again are left for the machine they name (the summary says how many);
+  so are exact-mode records of an earlier kernel build (no machine decodes them again) and candidates
+  outside the decode loop (they never record top tokens).
+
+`apply` is what the report does with the annotations: copies of the records with the tops filled in. This
+module's readers (`annotations`, `apply`, `top_token_counts`) load no torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+
+from ..errors import LosslessError
+from ..names import EXACT
+from .records import RecordStore, read_records, record_id
+
+BACKFILL_DIR = "backfill"
+WRITER = "tops"
+FIELDS = ("ref_top_at_divergence", "orthrus_top_at_divergence")
+DECODE_LOOP = ("orthrus", "orthrus-fused", "orthrus-tree", "orthrus-lookup", "orthrus-tree-lookup", "oracle")
+
+
+def annotations(run_dir: str | Path, at_rest: bool = False) -> dict[str, dict]:
+    """The run's backfilled annotations by record id (`at_rest`: the committed segments only)."""
+    return {a["key"]: a for a in read_records(run_dir, at_rest, folder=BACKFILL_DIR)}
+
+
+def wants_tops(r: dict) -> bool:
+    """A diverging record without its top tokens (the fields absent: records from before they were kept)."""
+    return not r.get("exact_match", True) and r.get("first_divergence") is not None and \
+        all(r.get(f) is None for f in FIELDS)
+
+
+def apply(records: list[dict], notes: dict[str, dict]) -> list[dict]:
+    """The records with the annotated tops filled in (copies; a record holding tops of its own keeps them)."""
+    out = []
+    for r in records:
+        a = notes.get(record_id(r)) if notes and wants_tops(r) else None
+        if a is not None:
+            r = {**r, "tops_backfilled": bool(a.get("reproduced")),
+                 **({f: a.get(f) for f in FIELDS} if a.get("reproduced") else {})}
+        out.append(r)
+    return out
+
+
+def top_token_counts(records: list[dict]) -> dict[str, int]:
+    """Where the diverging records' top tokens come from: recorded by the audit, backfilled, not reproduced
+    on decoding again, or still missing."""
+    c = Counter()
+    for r in records:
+        if r.get("exact_match", True) or r.get("first_divergence") is None:
+            continue
+        c["diverging"] += 1
+        if r.get("tops_backfilled") is False:
+            c["not_reproduced"] += 1
+        elif r.get("tops_backfilled"):
+            c["backfilled"] += 1
+        elif all(r.get(f) is None for f in FIELDS):
+            c["missing"] += 1
+        else:
+            c["recorded"] += 1
+    return {k: c[k] for k in ("diverging", "recorded", "backfilled", "not_reproduced", "missing")}
+
+
+def _decodable(r: dict, machine: str) -> str | None:
+    """Why this machine cannot decode the record again (None: it can)."""
+    from .audit import kernel_build
+
+    if r.get("machine") != machine:
+        return "another machine"
+    if r.get("candidate", "orthrus") not in DECODE_LOOP:
+        return "a candidate outside the decode loop"
+    for field, attn in (("kernels", r.get("attn")), ("reference_kernels", r.get("reference_attn"))):
+        if attn == EXACT and str(r.get(field) or "").split("/")[0] != kernel_build(EXACT).split("/")[0]:
+            return "an earlier exact kernel build"
+    return None
+
+
+def backfill_pair(models, r: dict, prompt: str, cfg: dict) -> dict:
+    """Decode one record's pair again up to its divergence; its annotation."""
+    from . import candidates as cands
+    from ..decoding.loop import DecodeConfig, decode
+    from ..text import encode_prompt
+    from .audit import top_at
+
+    div = int(r["first_divergence"])
+    ref_model, cand_model = models(r["dtype"], r["reference_attn"]), models(r["dtype"], r["attn"])
+    ids = encode_prompt(cand_model.tokenizer, prompt)
+    dcfg = DecodeConfig(max_new_tokens=int(r.get("max_new_tokens") or cfg["max_new_tokens"]), k=cfg.get("k"),
+                        record_margins=True, groups=cfg.get("groups"), stop_after=div + 1)
+    start = time.perf_counter()
+    ref = decode(ref_model, ids, "ar", dcfg)
+    run = cands.resolve(r.get("candidate", "orthrus")).run(cand_model, ids, dcfg, list(r["ar_ids"]))
+    a, o = list(r["ar_ids"]), list(r["orthrus_ids"])
+    margins = r.get("ar_margins")
+    same_margin = margins is None or div >= len(margins) or div >= len(ref.margins) or \
+        round(ref.margins[div], 4) == margins[div]
+    reproduced = len(ids) == r.get("prompt_tokens", len(ids)) and ref.generated[: div + 1] == a[: div + 1] \
+        and run.ids[: div + 1] == o[: div + 1] and same_margin
+    note = {"key": record_id(r), "reproduced": bool(reproduced), "machine": r["machine"],
+            "seconds": round(time.perf_counter() - start, 3)}
+    if reproduced:
+        note.update({"ref_top_at_divergence": top_at(ref.tops, div), "orthrus_top_at_divergence": top_at(run.tops, div)})
+    return note
+
+
+def run_backfill(run_dir: str | Path, progress: bool = True, limit: int | None = None, load=None) -> dict:
+    """Backfill the top tokens of every diverging record of `run_dir` this machine can decode again (at most
+    `limit` pairs). `load(dtype, attn)` builds models (default: the run's model and pinned head)."""
+    import torch
+    from tqdm import tqdm
+
+    from ..decoding.models import load_model
+    from .audit import load_suite, locate_head, machine_id, read_run_file
+
+    run_dir = Path(run_dir)
+    info = read_run_file(run_dir) if run_dir.is_dir() else None
+    if info is None:
+        raise LosslessError(f"{run_dir} holds no audit run (no run.json): pass the --out directory of `lossless audit`")
+    cfg = info.get("config", {})
+    records = [r for r in read_records(run_dir) if wants_tops(r)]
+    done = annotations(run_dir)
+    machine = machine_id()
+    todo, elsewhere = [], Counter()
+    for r in records:
+        if record_id(r) in done:
+            continue
+        why = _decodable(r, machine)
+        if why is None:
+            todo.append(r)
+        else:
+            elsewhere[why if why != "another machine" else f"machine {r.get('machine')}"] += 1
+    todo = todo[:limit] if limit is not None else todo
+    prompts = {p["id"]: p["prompt"] for p in load_suite(cfg.get("suite", ""))} if todo else {}
+    if load is None:
+        head = locate_head(cfg.get("model", ""), cfg.get("head"), cfg.get("head_digest", "")) \
+            if cfg.get("head_digest") else cfg.get("head")
+        load = lambda d, a: load_model(cfg["model"], d, cfg.get("device", "cpu"), a, head=head)  # noqa: E731
+    cache: dict[tuple[str, str], object] = {}
+
+    def models(dtype, attn):
+        if (dtype, attn) not in cache:
+            cache[(dtype, attn)] = load(dtype, attn)
+        return cache[(dtype, attn)]
+
+    missing = sorted({r["prompt_id"] for r in todo if r["prompt_id"] not in prompts})
+    if missing:
+        raise LosslessError(f"the suite {cfg.get('suite')} lacks prompt(s) {', '.join(missing[:3])} of this run: "
+                            "restore the suite the run was made with")
+    # one configuration after another (few models in memory), pairs of a configuration in record order
+    todo.sort(key=lambda r: (r["dtype"], r["attn"], r["reference_attn"]))
+    store = RecordStore(run_dir, WRITER, roll_seconds=600.0, folder=BACKFILL_DIR)
+    n = Counter()
+    with store.session(), torch.no_grad(), tqdm(total=len(todo), desc="backfill tops", unit="pair",
+                                                disable=not progress) as bar:
+        for r in todo:
+            note = backfill_pair(models, r, prompts[r["prompt_id"]], cfg)
+            store.append([note])
+            n["reproduced" if note["reproduced"] else "not_reproduced"] += 1
+            bar.update(1)
+    return {"run_dir": str(run_dir), "backfilled": n["reproduced"], "not_reproduced": n["not_reproduced"],
+            "already_done": sum(1 for r in records if record_id(r) in done), "left": dict(sorted(elsewhere.items())),
+            "machine": machine}
+
+
+def check_threads_hint(result: dict) -> str | None:
+    """A line for the CLI when records were left for other machines (their names carry the thread count)."""
+    if not result["left"]:
+        return None
+    parts = ", ".join(f"{n} from {why}" for why, n in result["left"].items())
+    return f"left {sum(result['left'].values())} pair(s): {parts} (a machine name includes its torch thread count: " \
+        "run with the same OMP_NUM_THREADS there)"

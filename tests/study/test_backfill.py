@@ -1,0 +1,122 @@
+"""Backfilling top tokens at the divergence: records from before audits kept them get them by decoding each
+pair again up to its divergence, on the machine that made it; only what reproduces the recorded tokens is kept."""
+
+import shutil
+
+import pytest
+import torch
+
+from lossless.cli import main
+from lossless.study.audit import AuditConfig, run_audit
+from lossless.study.backfill import BACKFILL_DIR, FIELDS, annotations, run_backfill
+from lossless.study.records import RecordStore, read_records, record_id
+from lossless.study.report import load_run, write_report
+from test_audit import tiny_loader, write_suite
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def twin_loader(dtype, attn):
+    """A tiny model whose LM head has a near twin of every other row: greedy choices are near ties, so a
+    verify's block shape flips some of them, and bf16 and fp16 audits diverge."""
+    model = tiny_loader("fp32", attn)
+    w = model.backbone.lm_head.weight
+    with torch.no_grad():
+        half = w.shape[0] // 2
+        noise = torch.randn(w[:half].shape, generator=torch.Generator().manual_seed(0))
+        w[half: 2 * half] = w[:half] * (1 + 1e-3 * noise)
+    return model.to(DTYPES[dtype])
+
+
+@pytest.fixture(scope="module")
+def audited(tmp_path_factory):
+    """An audit whose records carry top tokens, and the same run as it would be had they not been kept."""
+    root = tmp_path_factory.mktemp("backfill")
+    suite = write_suite(root / "s.jsonl")
+    cfg = AuditConfig(model="tiny", suite=str(suite), configs=["bf16/sdpa", "fp16/sdpa"], max_new_tokens=24)
+    run_audit(cfg, root / "full", load=twin_loader, progress=False)
+    full = read_records(root / "full")
+    assert sum(not r["exact_match"] for r in full) >= 4, "the twin head makes some pairs diverge"
+    return root, full
+
+
+def old_run(root, full, name, change=lambda rs: rs):
+    """A copy of the run whose records hold no top tokens (as records made before they were kept)."""
+    out = root / name
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "records").mkdir(parents=True)
+    shutil.copy(root / "full" / "run.json", out / "run.json")
+    store = RecordStore(out, "all")
+    store.append(change([{k: v for k, v in r.items() if k not in FIELDS} for r in full]))
+    store.roll()
+    return out
+
+
+def test_backfilled_tops_are_the_ones_the_audit_recorded_and_a_rerun_does_nothing(audited):
+    root, full = audited
+    out = old_run(root, full, "old")
+    diverging = [r for r in full if not r["exact_match"]]
+    before = write_report(out, html=False)
+    assert before["top_tokens"] == {"diverging": len(diverging), "recorded": 0, "backfilled": 0,
+                                    "not_reproduced": 0, "missing": len(diverging)}
+    result = run_backfill(out, progress=False, load=twin_loader)
+    assert result["backfilled"] == len(diverging) and result["not_reproduced"] == 0 and result["left"] == {}
+    by_id = {record_id(r): r for r in full}
+    records, _ = load_run(out)
+    for r in records:
+        if not r["exact_match"]:
+            assert r["tops_backfilled"] is True
+            for f in FIELDS:
+                assert r[f] == by_id[record_id(r)][f] and r[f] is not None
+        else:
+            assert "tops_backfilled" not in r and r.get("ref_top_at_divergence") is None
+    summary = write_report(out, at_rest=True)
+    assert summary["top_tokens"]["backfilled"] == len(diverging) and summary["top_tokens"]["missing"] == 0
+    assert summary["backfill_segments"] == [p.name for p in sorted((out / BACKFILL_DIR).glob("*.gz"))]
+    assert f"decoded again up to the divergence for {len(diverging)}" in (out / "report.md").read_text()
+    page = (out / "report.html").read_text()
+    assert "not recorded" not in page.split("<script")[0]
+    # resumes: everything is done
+    again = run_backfill(out, progress=False, load=twin_loader)
+    assert again["backfilled"] == 0 and again["already_done"] == len(diverging)
+    # the run's summary with the tops recorded equals the backfilled one but for the counts of where they came from
+    recorded = write_report(root / "full", root / "full-report", html=False)
+    assert {k: v for k, v in summary.items() if k not in ("top_tokens", "backfill_segments", "record_segments",
+                                                          "report_id")} == \
+        {k: v for k, v in recorded.items() if k != "report_id"}
+
+
+def test_a_pair_that_does_not_reproduce_keeps_no_tops_and_other_machines_pairs_are_left(audited, capsys):
+    root, full = audited
+    diverging = [record_id(r) for r in full if not r["exact_match"]]
+    wrong, elsewhere = diverging[0], diverging[1]
+
+    def change(rs):
+        for r in rs:
+            if record_id(r) == wrong:  # the recorded margin at the divergence is not the one a decode gives
+                r["ar_margins"] = [m + 1.0 for m in r["ar_margins"]]
+            if record_id(r) == elsewhere:
+                r["machine"] = "another CPU, torch 2.13.0+cpu, 1 thread"
+        return rs
+
+    out = old_run(root, full, "changed", change)
+    result = run_backfill(out, progress=False, load=twin_loader)
+    assert result["not_reproduced"] == 1 and result["backfilled"] == len(diverging) - 2
+    assert result["left"] == {"machine another CPU, torch 2.13.0+cpu, 1 thread": 1}
+    notes = annotations(out)
+    assert notes[wrong]["reproduced"] is False and "ref_top_at_divergence" not in notes[wrong]
+    assert elsewhere not in notes
+    summary = write_report(out, html=False)
+    assert summary["top_tokens"]["not_reproduced"] == 1 and summary["top_tokens"]["missing"] == 1
+    by_id = {record_id(r): r for r in load_run(out)[0]}
+    assert by_id[wrong]["tops_backfilled"] is False and by_id[wrong].get("ref_top_at_divergence") is None
+
+
+def test_backfill_cli_bad_input_exits_2(tmp_path, capsys):
+    assert main(["backfill", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["backfill", str(tmp_path), "--limit", "0"]) == 2
+    assert main(["backfill", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no run.json" in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
