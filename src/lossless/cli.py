@@ -393,7 +393,7 @@ def cmd_report(args) -> int:
 
 def cmd_backfill(args) -> int:
     from .paths import check_writable_dir
-    from .study.backfill import check_threads_hint, run_backfill
+    from .study.backfill import left_line, run_backfill
 
     if args.limit is not None and args.limit < 1:
         raise LosslessError(f"--limit must be a positive integer, got {args.limit}")
@@ -401,7 +401,7 @@ def cmd_backfill(args) -> int:
         raise LosslessError(f"run directory {args.run_dir} does not exist: pass the --out directory of `lossless audit`")
     check_writable_dir(Path(args.run_dir), "run directory")
     result = run_backfill(args.run_dir, progress=not args.no_progress, limit=args.limit)
-    if hint := check_threads_hint(result):
+    if hint := left_line(result):
         print(f"lossless: {hint}", file=sys.stderr)
     print(json.dumps(result))
     return 0

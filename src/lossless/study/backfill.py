@@ -181,10 +181,11 @@ def run_backfill(run_dir: str | Path, progress: bool = True, limit: int | None =
             "machine": machine}
 
 
-def check_threads_hint(result: dict) -> str | None:
-    """A line for the CLI when records were left for other machines (their names carry the thread count)."""
+def left_line(result: dict) -> str | None:
+    """A line for the CLI when records were left undone (None: none were)."""
     if not result["left"]:
         return None
     parts = ", ".join(f"{n} from {why}" for why, n in result["left"].items())
-    return f"left {sum(result['left'].values())} pair(s): {parts} (a machine name includes its torch thread count: " \
-        "run with the same OMP_NUM_THREADS there)"
+    threads = any(why.startswith("machine ") for why in result["left"])
+    return f"left {sum(result['left'].values())} pair(s): {parts}" + \
+        (" (a machine's name includes its torch thread count: run there with the same OMP_NUM_THREADS)" if threads else "")
