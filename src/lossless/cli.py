@@ -703,7 +703,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "each such pair decoded again up to its divergence, on the machine it names")
     bf.add_argument("run_dir", help="the --out directory of `lossless audit`")
     bf.add_argument("--limit", type=int, default=None, help="at most this many pairs (default: all; it resumes)")
-    bf.add_argument("--no-progress", action="store_true")
+    bf.add_argument("--no-progress", action="store_true", help="no progress bar")
     bf.set_defaults(func=cmd_backfill)
 
     pr = sub.add_parser("probe", help="name the first op where a block pass differs from one-token-at-a-time")

@@ -314,6 +314,10 @@ def test_the_committed_study_summary_is_rebuilt_from_its_records(tmp_path):
     shutil.copy(study / "run.json", copy / "run.json")
     for name in segments:
         shutil.copy(study / "records" / name, copy / "records" / name)
+    notes = json.loads(committed).get("backfill_segments", [])  # top tokens decoded again after the audit
+    (copy / "backfill").mkdir()
+    for name in notes:
+        shutil.copy(study / "backfill" / name, copy / "backfill" / name)
     write_report(copy, tmp_path / "out", at_rest=True)
     rebuilt = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert _differences(rebuilt, json.loads(committed)) == []

@@ -238,6 +238,27 @@ def test_a_permalink_opens_its_pair_with_both_diverging_tokens_marked(browser, a
         page.close()
 
 
+def test_a_pair_is_shown_against_the_reports_reference_too(browser, audited):
+    from lossless.stats import first_divergence
+
+    out, records = audited
+    fp32 = {r["prompt_id"]: r["ar_ids"] for r in records if r["dtype"] == "fp32"}
+    r = next(r for r in records if r["dtype"] == "bf16" and r["orthrus_ids"] != fp32[r["prompt_id"]])
+    j = first_divergence(r["orthrus_ids"], fp32[r["prompt_id"]])
+    page = Page(browser, out / "report.html", _key_fragment(r["key"]))
+    try:
+        panel = page.page.locator("aside#pair")
+        assert "Against fp32/sdpa AR, the report's reference" in panel.inner_text()
+        said = panel.locator("p.against").inner_text()
+        ar_said = "equal to fp32/sdpa AR." if r["ar_ids"] == fp32[r["prompt_id"]] else "parts from fp32/sdpa AR at token"
+        assert f"the pair's AR reference: {ar_said}" in said and f"the candidate: parts from fp32/sdpa AR at token {j} " in said
+        # the two continuations from there, each with its token at that position marked
+        assert panel.locator(".side").last.locator(".t.xdiv").count() == 2
+        assert page.errors == []
+    finally:
+        page.close()
+
+
 def test_runs_with_no_divergence_and_only_fp32_render(browser, tmp_path):
     suite = write_suite(tmp_path / "s.jsonl")
     out = tmp_path / "run"

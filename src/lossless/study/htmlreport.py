@@ -64,12 +64,13 @@ def token_texts(tokenizer, ids) -> dict[str, str]:
 
 
 def page_data(records: list[dict], labels: dict[str, str], prompts: dict[str, str], tokenizer,
-              notes: list[str]) -> dict:
+              notes: list[str], against: dict | None = None) -> dict:
     """The viewer's data, column by column (one entry per record in `records` order).
 
     `labels`: record id (`records.record_id`) -> configuration label (dtype/kernel, without the candidate). Sequences are stored
     once (`seqs`); a pair holds the index of its reference (`ref`) and of its candidate's tail after the
-    first divergence (`tail`; -1 when the two are equal)."""
+    first divergence (`tail`; -1 when the two are equal), and of the report's reference configuration's AR
+    trajectory on its prompt (`xref`; -1 when there is none)."""
     seqs: list[list[int]] = []
     index: dict[tuple, int] = {}
 
@@ -89,7 +90,7 @@ def page_data(records: list[dict], labels: dict[str, str], prompts: dict[str, st
         return values.index(value)
 
     cols: dict[str, list] = {c: [] for c in ("key", "pid", "dom", "cfg", "cand", "match", "div", "rm", "om", "lev",
-                                             "ref", "tail", "rt", "ot", "tb", "rejoin", "ppl")}
+                                             "ref", "tail", "rt", "ot", "tb", "xref", "rejoin", "ppl")}
     used: set[int] = set()
     for r in records:
         a, o = list(r.get("ar_ids") or []), list(r.get("orthrus_ids") or [])
@@ -118,11 +119,16 @@ def page_data(records: list[dict], labels: dict[str, str], prompts: dict[str, st
         cols["ot"].append(r.get("orthrus_top_at_divergence"))
         # top tokens decoded again after the audit (`backfill.py`): 1 reproduced, 0 not reproduced, None recorded
         cols["tb"].append(None if r.get("tops_backfilled") is None else int(bool(r["tops_backfilled"])))
+        # the report's reference configuration's AR trajectory of this prompt (-1: it has none)
+        xref = (against or {}).get("ids", {}).get(str(r.get("prompt_id")))
+        cols["xref"].append(-1 if xref is None else seq(xref))
+        used.update(xref or [])
         cols["rejoin"].append(None if match else rejoin(a, o, div))
         cols["ppl"].append(None if log_ppl is None else round(math.exp(min(log_ppl, 700.0)), 4))
     used_prompts = {p: prompts[p] for p in dict.fromkeys(cols["pid"]) if p in prompts}
     return {"pairs": cols, "seqs": seqs, "names": names, "tokens": token_texts(tokenizer, used),
-            "prompts": used_prompts, "notes": notes, "rejoin_tokens": REJOIN_TOKENS}
+            "prompts": used_prompts, "notes": notes, "rejoin_tokens": REJOIN_TOKENS,
+            "reference_label": (against or {}).get("label")}
 
 
 def pack(data: dict) -> str:
@@ -165,9 +171,11 @@ def render(template: str, script: str, **fields) -> str:
 
 
 def write_html(out: Path, records: list[dict], labels: dict[str, str], markdown_text: str,
-               plots: list[tuple[str, str]], prompts: dict[str, str], tokenizer, notes: list[str]) -> Path:
-    """Write `out/report.html`, the audit's page (see the module docstring); returns its path."""
-    data = page_data(records, labels, prompts, tokenizer, notes)
+               plots: list[tuple[str, str]], prompts: dict[str, str], tokenizer, notes: list[str],
+               against: dict | None = None) -> Path:
+    """Write `out/report.html`, the audit's page (see the module docstring); returns its path. `against`:
+    {"label", "ids": {prompt id: AR ids}} of the report's reference configuration, or None."""
+    data = page_data(records, labels, prompts, tokenizer, notes, against)
     page = render("report.html.j2", "report.js", title="Trajectory audit report",
                   overview=overview_html(markdown_text, out, plots), data=pack(data), n_pairs=len(records))
     return atomic_write(out / "report.html", page)

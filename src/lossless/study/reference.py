@@ -61,15 +61,22 @@ def _agreement(pairs: list[tuple[list[int], list[int]]]) -> dict:
             "mean_common_prefix": sum(prefixes) / n if n else None}
 
 
-def compare(records: list[dict], reference: tuple[str, str], config_of, label_of) -> dict:
-    """The summary.json section: for each configuration (`config_of(record)` -> key, `label_of(key)` -> label)
-    whose prompts have a reference trajectory, its AR's and its candidate's agreement with the reference, overall
-    and per domain. The reference configuration's own AR is marked as the reference (it agrees with itself)."""
+def trajectories(records: list[dict], reference: tuple[str, str]) -> dict[str, list[int]]:
+    """The reference configuration's AR trajectory of every prompt that has one, by prompt id."""
     dtype, kernel = reference
     ref_ids: dict[str, list[int]] = {}
     for r in records:
         if str(r.get("dtype")) == dtype and str(r.get("reference_attn") or r.get("attn")) == kernel:
             ref_ids.setdefault(str(r["prompt_id"]), list(r["ar_ids"]))
+    return ref_ids
+
+
+def compare(records: list[dict], reference: tuple[str, str], config_of, label_of) -> dict:
+    """The summary.json section: for each configuration (`config_of(record)` -> key, `label_of(key)` -> label)
+    whose prompts have a reference trajectory, its AR's and its candidate's agreement with the reference, overall
+    and per domain. The reference configuration's own AR is marked as the reference (it agrees with itself)."""
+    dtype, kernel = reference
+    ref_ids = trajectories(records, reference)
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         if str(r.get("prompt_id")) in ref_ids:

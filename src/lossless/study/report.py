@@ -715,7 +715,9 @@ def write_report(run_dir, out_dir=None, at_rest: bool = False, html: bool = True
     atomic_write(out / "report.md", markdown)  # a full disk leaves the old file, never half of a new one
     atomic_write(out / "summary.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")
     if html:
-        write_page(out, records, run_info, markdown, plots, tokenizer)
+        ref = summary.get("reference_comparison")
+        write_page(out, records, run_info, markdown, plots, tokenizer,
+                   (ref["reference"]["dtype"], ref["reference"]["attn"]) if ref else None)
     return summary
 
 
@@ -739,9 +741,10 @@ FROM_RUN = "from-run"  # write_report's default tokenizer: the run's own model's
 
 
 def write_page(out: Path, records: list[dict], run_info: dict, markdown: str, plots: list[tuple[str, str]],
-               tokenizer=FROM_RUN) -> Path:
+               tokenizer=FROM_RUN, reference: tuple[str, str] | None = None) -> Path:
     """report.html (see `htmlreport`): the prompts from the run's suite and token texts from its model's
-    tokenizer where this machine has them; what is missing is said on the page."""
+    tokenizer where this machine has them; what is missing is said on the page. `reference`: (dtype, kernel) of
+    the report's reference configuration, whose AR trajectory the viewer shows beside each pair's own."""
     from . import htmlreport
 
     notes = []
@@ -755,7 +758,10 @@ def write_page(out: Path, records: list[dict], run_info: dict, markdown: str, pl
         notes.append(f"The tokenizer of model {cfg.get('model') or '(not recorded)'} could not be loaded here: "
                      "tokens show as ids.")
     labels = {record_id(r): config_label(*_config(r)[:3]) for r in records}
-    return htmlreport.write_html(out, records, labels, markdown, plots, prompts, tokenizer, notes)
+    against = None
+    if reference:  # the viewer shows each pair against the report's reference too
+        against = {"label": refcmp._label(*reference), "ids": refcmp.trajectories(records, reference)}
+    return htmlreport.write_html(out, records, labels, markdown, plots, prompts, tokenizer, notes, against)
 
 
 def _suite_prompts(suite) -> dict[str, str]:

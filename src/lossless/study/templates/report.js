@@ -211,8 +211,35 @@ class Viewer {
           : !p.rt[i] ? "Top tokens are recorded by audits from this version on; older records keep the margin only." : null;
       if (hint) parts.push(el("p", { className: "hint", textContent: hint }));
     }
+    if (p.xref[i] >= 0) parts.push(...this.against(d.seqs[p.xref[i]], ref, cand));
     this.showPanel(parts);
     this.draw();
+  }
+
+  // the pair beside the report's reference configuration's AR trajectory of the same prompt (e.g. fp32 AR)
+  against(x, ref, cand) {
+    const label = this.d.reference_label;
+    const parts = (a) => {
+      let j = 0;
+      while (j < a.length && j < x.length && a[j] === x[j]) j++;
+      return j === a.length && j === x.length ? null : j;
+    };
+    const say = (who, a) => {
+      const j = parts(a);
+      return j === null ? `${who}: equal to ${label}.` : `${who}: parts from ${label} at token ${j}` +
+        ` (${a.length} tokens against ${x.length}).`;
+    };
+    const out = [el("h3", { textContent: `Against ${label}, the report's reference` }),
+      el("p", { className: "against" }, say("the pair's AR reference", ref), " ", say("the candidate", cand))];
+    const j = parts(cand);
+    if (j !== null) {
+      out.push(el("div", { className: "side" },
+        el("span", { className: "label", textContent: label }),
+        this.tokens(x.slice(j), j, (pos) => (pos === j ? "xdiv" : "")),
+        el("span", { className: "label", textContent: "candidate" }),
+        this.tokens(cand.slice(j), j, (pos) => (pos === j ? "xdiv" : ""))));
+    }
+    return out;
   }
 
   showPanel(parts) {
