@@ -215,6 +215,7 @@ ADD = {
     "probe": {},
     "audit": {"--suite": None, "--limit-per-domain": "1", "--max-new-tokens": "4", "--no-progress": None},
     "report": {},
+    "backfill": {"--no-progress": None},
     "train": {"--prompts": None, "--distill-dir": None, "--steps": "1", "--eval-prompts": "0",
               "--max-new-tokens": "4", "--no-progress": None},
     "distill": {"--prompts": None, "--max-new-tokens": "4", "--no-progress": None},
@@ -274,7 +275,7 @@ def rewrite(argv: list[str], ws) -> list[str]:
         positionals = [TINY_WORDS]
     elif sub == "probe":
         positionals = [PROBE_TEXT]
-    elif sub == "report":
+    elif sub in ("report", "backfill"):
         positionals = [ws.run(p) for p in positionals]
     elif sub == "curve":
         positionals = [str(ROOT / p) if (ROOT / p).is_file() else ws.path(p) for p in positionals]

@@ -400,7 +400,7 @@ def cmd_backfill(args) -> int:
     if not Path(args.run_dir).is_dir():
         raise LosslessError(f"run directory {args.run_dir} does not exist: pass the --out directory of `lossless audit`")
     check_writable_dir(Path(args.run_dir), "run directory")
-    result = run_backfill(args.run_dir, progress=not args.no_progress, limit=args.limit)
+    result = run_backfill(args.run_dir, progress=not args.no_progress, limit=args.limit, shard=args.shard)
     if hint := left_line(result):
         print(f"lossless: {hint}", file=sys.stderr)
     print(json.dumps(result))
@@ -703,6 +703,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "each such pair decoded again up to its divergence, on the machine it names")
     bf.add_argument("run_dir", help="the --out directory of `lossless audit`")
     bf.add_argument("--limit", type=int, default=None, help="at most this many pairs (default: all; it resumes)")
+    bf.add_argument("--shard", default=None, metavar="I/N",
+                    help="every N-th pair, from the I-th: processes side by side (one per core, OMP_NUM_THREADS=1)")
     bf.add_argument("--no-progress", action="store_true", help="no progress bar")
     bf.set_defaults(func=cmd_backfill)
 

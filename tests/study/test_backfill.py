@@ -112,10 +112,23 @@ def test_a_pair_that_does_not_reproduce_keeps_no_tops_and_other_machines_pairs_a
     assert by_id[wrong]["tops_backfilled"] is False and by_id[wrong].get("ref_top_at_divergence") is None
 
 
+def test_shards_side_by_side_split_the_pairs_and_together_do_them_all(audited):
+    root, full = audited
+    out = old_run(root, full, "shards")
+    diverging = {record_id(r) for r in full if not r["exact_match"]}
+    first = run_backfill(out, progress=False, load=twin_loader, shard="0/2")
+    second = run_backfill(out, progress=False, load=twin_loader, shard="1/2")
+    assert first["backfilled"] + second["backfilled"] == len(diverging) and min(first["backfilled"], second["backfilled"]) >= 1
+    assert set(annotations(out)) == diverging
+    assert sorted(p.name.split(".")[0] for p in (out / BACKFILL_DIR).glob("*.gz")) == ["tops-shard-0-of-2", "tops-shard-1-of-2"]
+    assert run_backfill(out, progress=False, load=twin_loader)["backfilled"] == 0
+
+
 def test_backfill_cli_bad_input_exits_2(tmp_path, capsys):
     assert main(["backfill", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["backfill", str(tmp_path), "--limit", "0"]) == 2
+    assert main(["backfill", str(tmp_path), "--shard", "2/2"]) == 2
     assert main(["backfill", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "no run.json" in err and "Traceback" not in err

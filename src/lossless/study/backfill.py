@@ -122,21 +122,43 @@ def backfill_pair(models, r: dict, prompt: str, cfg: dict) -> dict:
     return note
 
 
-def run_backfill(run_dir: str | Path, progress: bool = True, limit: int | None = None, load=None) -> dict:
+def run_backfill(run_dir: str | Path, progress: bool = True, limit: int | None = None, load=None,
+                 shard: str | None = None) -> dict:
     """Backfill the top tokens of every diverging record of `run_dir` this machine can decode again (at most
-    `limit` pairs). `load(dtype, attn)` builds models (default: the run's model and pinned head)."""
-    import torch
-    from tqdm import tqdm
+    `limit` pairs). `load(dtype, attn)` builds models (default: the run's model and pinned head). `shard` "i/n":
+    every n-th of those records (processes side by side, one per core, each with its own writer and lock)."""
+    from ..paths import exclusive_lock
+    from .audit import parse_shard, read_run_file
+    from .records import writer_name
 
-    from ..decoding.models import load_model
-    from .audit import load_suite, locate_head, machine_id, read_run_file
-
+    index, n_shards = parse_shard(shard)
+    writer = WRITER if n_shards == 1 else f"{WRITER}-{writer_name((index, n_shards))}"
     run_dir = Path(run_dir)
     info = read_run_file(run_dir) if run_dir.is_dir() else None
     if info is None:
         raise LosslessError(f"{run_dir} holds no audit run (no run.json): pass the --out directory of `lossless audit`")
     cfg = info.get("config", {})
-    records = [r for r in read_records(run_dir) if wants_tops(r)]
+    (run_dir / BACKFILL_DIR).mkdir(exist_ok=True)
+    with exclusive_lock(run_dir / BACKFILL_DIR / f".lock-{writer}",
+                        f"another backfill is writing {run_dir / BACKFILL_DIR} as {writer} (pid {{pid}}): wait for "
+                        "it, or run beside it with --shard"):
+        return _backfill_locked(run_dir, cfg, writer, (index, n_shards), progress, limit, load)
+
+
+def _backfill_locked(run_dir: Path, cfg: dict, writer: str, shard: tuple[int, int], progress: bool,
+                     limit: int | None, load) -> dict:
+    """`run_backfill`'s work, under its writer's lock."""
+    import torch
+    from tqdm import tqdm
+
+    from ..decoding.models import load_model
+    from .audit import load_suite, locate_head, machine_id
+
+    # one configuration after another (few models in memory), pairs of a configuration in record order; a
+    # shard takes every n-th of them, counted over all that want tops, so side-by-side shards never overlap
+    records = sorted((r for r in read_records(run_dir) if wants_tops(r)),
+                     key=lambda r: (r["dtype"], r["attn"], r["reference_attn"]))
+    records = [r for j, r in enumerate(records) if j % shard[1] == shard[0]]
     done = annotations(run_dir)
     machine = machine_id()
     todo, elsewhere = [], Counter()
@@ -165,9 +187,7 @@ def run_backfill(run_dir: str | Path, progress: bool = True, limit: int | None =
     if missing:
         raise LosslessError(f"the suite {cfg.get('suite')} lacks prompt(s) {', '.join(missing[:3])} of this run: "
                             "restore the suite the run was made with")
-    # one configuration after another (few models in memory), pairs of a configuration in record order
-    todo.sort(key=lambda r: (r["dtype"], r["attn"], r["reference_attn"]))
-    store = RecordStore(run_dir, WRITER, roll_seconds=600.0, folder=BACKFILL_DIR)
+    store = RecordStore(run_dir, writer, roll_seconds=600.0, folder=BACKFILL_DIR)
     n = Counter()
     with store.session(), torch.no_grad(), tqdm(total=len(todo), desc="backfill tops", unit="pair",
                                                 disable=not progress) as bar:
