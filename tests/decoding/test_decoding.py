@@ -213,6 +213,19 @@ def test_a_decode_cut_short_by_stop_after_is_the_start_of_the_full_decode_to_the
     assert cut.stats.accepted == full.stats.accepted[:len(cut.stats.accepted)]
 
 
+def test_stop_after_is_a_positive_count_and_eos_before_it_still_ends_the_decode(bf16_model):
+    from lossless.errors import LosslessError
+
+    prompt = PROMPTS[0]
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(LosslessError, match="stop_after"):
+            decode(bf16_model, prompt, "orthrus", DecodeConfig(max_new_tokens=8, stop_after=bad, eos_ids=NO_EOS))
+    full = decode(bf16_model, prompt, "orthrus", DecodeConfig(max_new_tokens=24, eos_ids=NO_EOS))
+    eos = full.generated[5]
+    cut = decode(bf16_model, prompt, "orthrus", DecodeConfig(max_new_tokens=24, eos_ids=(eos,), stop_after=20))
+    assert cut.finished == "eos" and cut.generated == full.generated[: full.generated.index(eos) + 1]
+
+
 def test_commit_truncates_a_chunk_at_max_new_tokens_and_at_eos(models):
     model = models["llama"]
     prompt = PROMPTS[0]

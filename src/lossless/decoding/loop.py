@@ -284,6 +284,9 @@ def validate(model: DecodingModel, prompt_ids: list[int], cfg: DecodeConfig, mod
     check_mode(mode)
     if not prompt_ids:
         raise LosslessError("the prompt is empty: give some text to continue")
+    if cfg.stop_after is not None and (isinstance(cfg.stop_after, bool) or not isinstance(cfg.stop_after, int)
+                                       or cfg.stop_after < 1):
+        raise LosslessError(f"stop_after must be a positive integer or None, got {cfg.stop_after!r}")
     if cfg.max_new_tokens < 1:
         raise LosslessError("--max-new-tokens must be >= 1")
     if len(prompt_ids) + cfg.max_new_tokens > model.max_positions:

@@ -395,6 +395,16 @@ def item_ids(prompt_id: str, dtype: str, attn: str, candidate: str) -> list[str]
             for ref_attn in reference_kernels(attn)]
 
 
+def decode_config(max_new_tokens: int, k: int | None, groups: int | None, stop_after: int | None = None) -> DecodeConfig:
+    """What every decode of an audit runs with (`stop_after`: see DecodeConfig; the backfill's)."""
+    return DecodeConfig(max_new_tokens=max_new_tokens, k=k, record_margins=True, groups=groups, stop_after=stop_after)
+
+
+def suite_digest(path: str | Path) -> str:
+    """The suite's content hash as run.json keeps it (16 hex digits of sha256)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
 def audit_prompt(models: dict, prompt: dict, dtype: str, attn: str, cfg: AuditConfig,
                  known: dict[tuple[str, str, str], dict] | None = None, machine: str = "",
                  candidates: list[str] | None = None) -> list[dict]:
@@ -403,7 +413,7 @@ def audit_prompt(models: dict, prompt: dict, dtype: str, attn: str, cfg: AuditCo
     (prompt id, dtype, reference kernel) to an earlier record of this machine whose reference can be reused."""
     model = models[(dtype, attn)]
     ids = encode_prompt(model.tokenizer, prompt["prompt"])
-    dcfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens, k=cfg.k, record_margins=True, groups=cfg.groups)
+    dcfg = decode_config(cfg.max_new_tokens, cfg.k, cfg.groups)
     refs: dict[str, Reference] = {}
     for ref_attn in reference_kernels(attn):
         earlier = (known or {}).get((prompt["id"], dtype, ref_attn))
@@ -457,7 +467,7 @@ def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, comma
     launcher = None if shard else launcher_state()
     shard_t = parse_shard(shard) if launcher is None else (launcher.process_index, launcher.num_processes)
     suite = load_suite(cfg.suite)
-    cfg.suite_sha256 = hashlib.sha256(Path(cfg.suite).read_bytes()).hexdigest()[:16]
+    cfg.suite_sha256 = suite_digest(cfg.suite)
     cfg.candidates = cands.parse_candidates(cfg.candidates)
     for _, attn, _ in cfg.plan():  # every candidate can run under every kernel of the plan, or nothing runs
         for name in cfg.candidates:

@@ -25,6 +25,7 @@ module's readers (`annotations`, `apply`, `top_token_counts`) load no torch.
 from __future__ import annotations
 
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -38,35 +39,68 @@ FIELDS = ("ref_top_at_divergence", "orthrus_top_at_divergence")
 DECODE_LOOP = ("orthrus", "orthrus-fused", "orthrus-tree", "orthrus-lookup", "orthrus-tree-lookup", "oracle")
 
 
-def annotations(run_dir: str | Path, at_rest: bool = False) -> dict[str, dict]:
-    """The run's backfilled annotations by record id (`at_rest`: the committed segments only)."""
-    return {a["key"]: a for a in read_records(run_dir, at_rest, folder=BACKFILL_DIR)}
+MARGIN_TOLERANCE = 2e-4  # a top table's top-1 minus top-2 (4 decimals each) against the recorded margin (6 decimals)
+
+
+def annotations(run_dir: str | Path, at_rest: bool = False, corrupt: list | None = None) -> dict[str, dict]:
+    """The run's backfilled annotations by record id (`at_rest`: the committed segments only; `corrupt`: gets
+    one (file, line) per line that is not an annotation, as `read_records`)."""
+    return {a["key"]: a for a in read_records(run_dir, at_rest, corrupt, folder=BACKFILL_DIR)}
+
+
+def _candidate(r: dict) -> str:
+    return str(r.get("candidate") or ("orthrus-fused" if r.get("cycle") == "fused" else "orthrus"))
+
+
+def _diverging(r: dict) -> bool:
+    return not r.get("exact_match", True) and r.get("first_divergence") is not None
 
 
 def wants_tops(r: dict) -> bool:
-    """A diverging record without its top tokens (the fields absent: records from before they were kept)."""
-    return not r.get("exact_match", True) and r.get("first_divergence") is not None and \
-        all(r.get(f) is None for f in FIELDS)
+    """A diverging record of a decode-loop candidate without its top tokens (records from before they were kept;
+    candidates outside the decode loop never have them)."""
+    return _diverging(r) and _candidate(r) in DECODE_LOOP and all(r.get(f) is None for f in FIELDS)
+
+
+def consistent(r: dict, note: dict) -> bool:
+    """Whether a note's top tables agree with what the record kept of the same logits: on each side, the top token
+    is the one the trajectory chose at the divergence (or ties it), and the top-1 minus top-2 logit is the recorded margin there."""
+    div = int(r["first_divergence"])
+    for field, ids, margin in (("ref_top_at_divergence", r.get("ar_ids") or [], r.get("ref_margin_at_divergence")),
+                               ("orthrus_top_at_divergence", r.get("orthrus_ids") or [],
+                                r.get("orthrus_margin_at_divergence"))):
+        top = note.get(field)
+        if div >= len(ids):  # this side ended (EOS) before the divergence: it has no token there
+            if top is not None:
+                return False
+            continue
+        # the chosen token leads the table, or ties its leader (a tie's order in the table is the sort's, not argmax's)
+        if not top or len(top) < 2 or not any(t == ids[div] and v == top[0][1] for t, v in top):
+            return False
+        if margin is not None and abs((top[0][1] - top[1][1]) - margin) > MARGIN_TOLERANCE:
+            return False
+    return True
 
 
 def apply(records: list[dict], notes: dict[str, dict]) -> list[dict]:
-    """The records with the annotated tops filled in (copies; a record holding tops of its own keeps them)."""
+    """The records with the annotated tops filled in (copies; a record holding tops of its own keeps them). A note
+    counts as reproduced only if it says so and its tables agree with the record (`consistent`)."""
     out = []
     for r in records:
         a = notes.get(record_id(r)) if notes and wants_tops(r) else None
         if a is not None:
-            r = {**r, "tops_backfilled": bool(a.get("reproduced")),
-                 **({f: a.get(f) for f in FIELDS} if a.get("reproduced") else {})}
+            ok = bool(a.get("reproduced")) and consistent(r, a)
+            r = {**r, "tops_backfilled": ok, **({f: a.get(f) for f in FIELDS} if ok else {})}
         out.append(r)
     return out
 
 
 def top_token_counts(records: list[dict]) -> dict[str, int]:
-    """Where the diverging records' top tokens come from: recorded by the audit, backfilled, not reproduced
-    on decoding again, or still missing."""
+    """Where the top tokens of the diverging records of decode-loop candidates come from: recorded by the audit,
+    backfilled, not reproduced on decoding again, or still missing."""
     c = Counter()
     for r in records:
-        if r.get("exact_match", True) or r.get("first_divergence") is None:
+        if not _diverging(r) or _candidate(r) not in DECODE_LOOP:
             continue
         c["diverging"] += 1
         if r.get("tops_backfilled") is False:
@@ -82,43 +116,49 @@ def top_token_counts(records: list[dict]) -> dict[str, int]:
 
 def _decodable(r: dict, machine: str) -> str | None:
     """Why this machine cannot decode the record again (None: it can)."""
-    from .audit import kernel_build
+    from ..decoding import kernels
 
+    attn = r.get("attn")
+    for field, kernel in (("kernels", attn), ("reference_kernels", r.get("reference_attn") or attn)):
+        if kernel == EXACT and str(r.get(field) or "").split("/")[0] != kernels.source_digest():
+            return "an earlier exact kernel build (no machine decodes it again)"
     if r.get("machine") != machine:
-        return "another machine"
-    if r.get("candidate", "orthrus") not in DECODE_LOOP:
-        return "a candidate outside the decode loop"
-    for field, attn in (("kernels", r.get("attn")), ("reference_kernels", r.get("reference_attn"))):
-        if attn == EXACT and str(r.get(field) or "").split("/")[0] != kernel_build(EXACT).split("/")[0]:
-            return "an earlier exact kernel build"
+        return f"machine {r.get('machine') or '(not recorded)'}"
     return None
 
 
-def backfill_pair(models, r: dict, prompt: str, cfg: dict) -> dict:
-    """Decode one record's pair again up to its divergence; its annotation."""
+def backfill_pair(models, r: dict, prompt: str, cfg: dict, own_reference: list[int] | None = None) -> dict:
+    """Decode one record's pair again up to its divergence; its annotation. `own_reference`: the AR trajectory of
+    the candidate's own kernel on this prompt (what the oracle drafts; default the record's reference)."""
     from . import candidates as cands
-    from ..decoding.loop import DecodeConfig, decode
     from ..text import encode_prompt
-    from .audit import top_at
+    from .audit import decode_config, top_at
+    from ..decoding.loop import decode
 
     div = int(r["first_divergence"])
-    ref_model, cand_model = models(r["dtype"], r["reference_attn"]), models(r["dtype"], r["attn"])
+    attn = r["attn"]
+    ref_model, cand_model = models(r["dtype"], r.get("reference_attn") or attn), models(r["dtype"], attn)
     ids = encode_prompt(cand_model.tokenizer, prompt)
-    dcfg = DecodeConfig(max_new_tokens=int(r.get("max_new_tokens") or cfg["max_new_tokens"]), k=cfg.get("k"),
-                        record_margins=True, groups=cfg.get("groups"), stop_after=div + 1)
+    dcfg = decode_config(int(r.get("max_new_tokens") or cfg["max_new_tokens"]), cfg.get("k"), cfg.get("groups"),
+                         stop_after=div + 1)
     start = time.perf_counter()
     ref = decode(ref_model, ids, "ar", dcfg)
-    run = cands.resolve(r.get("candidate", "orthrus")).run(cand_model, ids, dcfg, list(r["ar_ids"]))
+    run = cands.resolve(_candidate(r)).run(cand_model, ids, dcfg, list(own_reference or r["ar_ids"]))
     a, o = list(r["ar_ids"]), list(r["orthrus_ids"])
-    margins = r.get("ar_margins")
-    same_margin = margins is None or div >= len(margins) or div >= len(ref.margins) or \
-        round(ref.margins[div], 4) == margins[div]
-    reproduced = len(ids) == r.get("prompt_tokens", len(ids)) and ref.generated[: div + 1] == a[: div + 1] \
-        and run.ids[: div + 1] == o[: div + 1] and same_margin
-    note = {"key": record_id(r), "reproduced": bool(reproduced), "machine": r["machine"],
+    rounded = [round(m, 4) for m in ref.margins[: div + 1]]
+    reproduced = (len(ids) == r.get("prompt_tokens", len(ids)) and ref.generated[: div + 1] == a[: div + 1]
+                  and run.ids[: div + 1] == o[: div + 1]
+                  and (r.get("ar_margins") is None or rounded == list(r["ar_margins"][: div + 1]))
+                  and (r.get("accepted") is None or list(run.accepted or []) == list(r["accepted"])[: len(run.accepted or [])]))
+    note = {"key": record_id(r), "reproduced": bool(reproduced), "machine": r.get("machine"),
             "seconds": round(time.perf_counter() - start, 3)}
     if reproduced:
         note.update({"ref_top_at_divergence": top_at(ref.tops, div), "orthrus_top_at_divergence": top_at(run.tops, div)})
+        # the tables themselves against what the record kept of the same logits (the margins at the divergence)
+        note["reproduced"] = consistent(r, note)
+        if not note["reproduced"]:
+            for f in FIELDS:
+                note.pop(f)
     return note
 
 
@@ -140,8 +180,7 @@ def run_backfill(run_dir: str | Path, progress: bool = True, limit: int | None =
     cfg = info.get("config", {})
     (run_dir / BACKFILL_DIR).mkdir(exist_ok=True)
     with exclusive_lock(run_dir / BACKFILL_DIR / f".lock-{writer}",
-                        f"another backfill is writing {run_dir / BACKFILL_DIR} as {writer} (pid {{pid}}): wait for "
-                        "it, or run beside it with --shard"):
+                        f"another backfill is writing {run_dir / BACKFILL_DIR} as {writer} (pid {{pid}}): wait for it"):
         return _backfill_locked(run_dir, cfg, writer, (index, n_shards), progress, limit, load)
 
 
@@ -152,13 +191,22 @@ def _backfill_locked(run_dir: Path, cfg: dict, writer: str, shard: tuple[int, in
     from tqdm import tqdm
 
     from ..decoding.models import load_model
-    from .audit import load_suite, locate_head, machine_id
+    from .audit import load_suite, locate_head, machine_id, suite_digest
 
+    suite = cfg.get("suite", "")
+    if cfg.get("suite_sha256") and (not Path(suite).is_file() or suite_digest(suite) != cfg["suite_sha256"]):
+        raise LosslessError(f"the suite {suite} is not the one this run was made with (sha256 {cfg['suite_sha256']}):"
+                            " restore it (e.g. `git checkout` it) before backfilling")
+    every = read_records(run_dir)
+    # the AR trajectory of each prompt, dtype and kernel (what an oracle candidate drafts from)
+    own = {(r.get("prompt_id"), r.get("dtype"), r.get("reference_attn") or r.get("attn")): r["ar_ids"]
+           for r in every if r.get("ar_ids") is not None}
     # one configuration after another (few models in memory), pairs of a configuration in record order; a
-    # shard takes every n-th of them, counted over all that want tops, so side-by-side shards never overlap
-    records = sorted((r for r in read_records(run_dir) if wants_tops(r)),
-                     key=lambda r: (r["dtype"], r["attn"], r["reference_attn"]))
-    records = [r for j, r in enumerate(records) if j % shard[1] == shard[0]]
+    # shard takes the records whose id hashes to it, so side-by-side shards never overlap, whatever is added later
+    records = sorted((r for r in every if wants_tops(r)), key=lambda r: (r["dtype"], r["attn"],
+                                                                         str(r.get("reference_attn") or r["attn"])))
+    records = [r for r in records if zlib.crc32(record_id(r).encode()) % shard[1] == shard[0]]
+    del every
     done = annotations(run_dir)
     machine = machine_id()
     todo, elsewhere = [], Counter()
@@ -169,12 +217,14 @@ def _backfill_locked(run_dir: Path, cfg: dict, writer: str, shard: tuple[int, in
         if why is None:
             todo.append(r)
         else:
-            elsewhere[why if why != "another machine" else f"machine {r.get('machine')}"] += 1
+            elsewhere[why] += 1
     todo = todo[:limit] if limit is not None else todo
-    prompts = {p["id"]: p["prompt"] for p in load_suite(cfg.get("suite", ""))} if todo else {}
+    prompts = {p["id"]: p["prompt"] for p in load_suite(suite)} if todo else {}
     if load is None:
-        head = locate_head(cfg.get("model", ""), cfg.get("head"), cfg.get("head_digest", "")) \
-            if cfg.get("head_digest") else cfg.get("head")
+        if not cfg.get("model"):
+            raise LosslessError(f"{run_dir / 'run.json'} names no model: restore it from git")
+        head = locate_head(cfg["model"], cfg.get("head"), cfg["head_digest"]) if cfg.get("head_digest") \
+            else cfg.get("head")
         load = lambda d, a: load_model(cfg["model"], d, cfg.get("device", "cpu"), a, head=head)  # noqa: E731
     cache: dict[tuple[str, str], object] = {}
 
@@ -185,14 +235,15 @@ def _backfill_locked(run_dir: Path, cfg: dict, writer: str, shard: tuple[int, in
 
     missing = sorted({r["prompt_id"] for r in todo if r["prompt_id"] not in prompts})
     if missing:
-        raise LosslessError(f"the suite {cfg.get('suite')} lacks prompt(s) {', '.join(missing[:3])} of this run: "
+        raise LosslessError(f"the suite {suite} lacks prompt(s) {', '.join(missing[:3])} of this run: "
                             "restore the suite the run was made with")
     store = RecordStore(run_dir, writer, roll_seconds=600.0, folder=BACKFILL_DIR)
     n = Counter()
     with store.session(), torch.no_grad(), tqdm(total=len(todo), desc="backfill tops", unit="pair",
                                                 disable=not progress) as bar:
         for r in todo:
-            note = backfill_pair(models, r, prompts[r["prompt_id"]], cfg)
+            own_ids = own.get((r["prompt_id"], r["dtype"], r["attn"]))
+            note = backfill_pair(models, r, prompts[r["prompt_id"]], cfg, own_ids)
             store.append([note])
             n["reproduced" if note["reproduced"] else "not_reproduced"] += 1
             bar.update(1)

@@ -21,7 +21,7 @@ DEFAULT_DTYPE = "fp32"
 PREFERRED_KERNELS = ("sdpa", "eager", "exact")
 
 
-def _label(dtype: str, kernel: str) -> str:
+def label(dtype: str, kernel: str) -> str:
     return f"{dtype}/{kernel} AR"
 
 
@@ -101,7 +101,7 @@ def compare(records: list[dict], reference: tuple[str, str], config_of, label_of
         rows.append({"label": label_of(key), "dtype": key[0], "attn": key[1], "reference_attn": key[2],
                      "candidate_name": key[3], "n": len(recs), "is_reference": is_ref, "ar": ar, "candidate": cand,
                      "domains": domains})
-    return {"reference": {"dtype": dtype, "attn": kernel, "label": _label(dtype, kernel), "n_prompts": len(ref_ids)},
+    return {"reference": {"dtype": dtype, "attn": kernel, "label": label(dtype, kernel), "n_prompts": len(ref_ids)},
             "configs": rows}
 
 

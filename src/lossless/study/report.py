@@ -62,11 +62,11 @@ def load_run(run_dir, at_rest: bool = False) -> tuple[list[dict], dict]:
             raise LosslessError(f"run.json in {run_dir} is not valid JSON: {fix}") from None
         if not isinstance(run_info, dict):
             raise LosslessError(f"run.json in {run_dir} is not a JSON object: {fix}")
-    if corrupt:  # said in the summary, the report and (by the CLI) on stderr; never silently dropped
-        run_info = {**run_info, "corrupt_lines": [f"{name}:{line}" for name, line in corrupt]}
-    notes = backfill.annotations(run_dir, at_rest)
+    notes = backfill.annotations(run_dir, at_rest, corrupt)
     if notes:  # top tokens decoded again for records from before the audit kept them (`backfill.py`)
         records = backfill.apply(records, notes)
+    if corrupt:  # said in the summary, the report and (by the CLI) on stderr; never silently dropped
+        run_info = {**run_info, "corrupt_lines": [f"{name}:{line}" for name, line in corrupt]}
     records, split = name_kernel_versions(records)
     if split:
         run_info = {**run_info, "kernel_versions": split}
@@ -306,8 +306,8 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def _progress(summary: dict) -> str:
     again = summary.get("n_decoded_again", 0)
     n, planned = summary["n_records"] - again, summary["planned"]
-    more = f" {again} more records hold pairs decoded again by another kernel build, reported separately." \
-        if again else ""
+    more = f" {again} more records hold pairs decoded again by another kernel build, reported separately (the rows " \
+        "named by build say how many pairs each build has)." if again else ""
     if planned:
         done = "complete" if n >= planned else f"{100 * n / planned:.0f}%"
         return f"{n} of {planned} planned pairs done ({done})." + more
@@ -760,7 +760,7 @@ def write_page(out: Path, records: list[dict], run_info: dict, markdown: str, pl
     labels = {record_id(r): config_label(*_config(r)[:3]) for r in records}
     against = None
     if reference:  # the viewer shows each pair against the report's reference too
-        against = {"label": refcmp._label(*reference), "ids": refcmp.trajectories(records, reference)}
+        against = {"label": refcmp.label(*reference), "ids": refcmp.trajectories(records, reference)}
     return htmlreport.write_html(out, records, labels, markdown, plots, prompts, tokenizer, notes, against)
 
 

@@ -120,7 +120,10 @@ class Viewer {
     if (!raw || raw === "overview" || raw === "trajectories") return;
     let key;
     try { key = decodeURIComponent(raw); } catch (e) { key = raw; }
-    const i = this.byKey.get(key);
+    // a link from before ids named kernel builds (`key` without `@<digest>`): the first pair of that key
+    let i = this.byKey.get(key);
+    if (i === undefined) i = this.p.key.findIndex((k) => k.startsWith(key + "@"));
+    if (i === -1) i = undefined;
     if (i === undefined) {
       this.showPanel([el("p", { textContent: `No pair with key ${key} in this report.` })]);
       return;
@@ -211,7 +214,9 @@ class Viewer {
           : !p.rt[i] ? "Top tokens are recorded by audits from this version on; older records keep the margin only." : null;
       if (hint) parts.push(el("p", { className: "hint", textContent: hint }));
     }
-    if (p.xref[i] >= 0) parts.push(...this.against(d.seqs[p.xref[i]], ref, cand));
+    if (p.xref[i] === p.ref[i]) {  // the view above is already against it
+      parts.push(el("p", { className: "against" }, `The pair's AR reference is equal to ${d.reference_label}, the report's reference.`));
+    } else if (p.xref[i] >= 0) parts.push(...this.against(d.seqs[p.xref[i]], ref, cand));
     this.showPanel(parts);
     this.draw();
   }
