@@ -238,22 +238,36 @@ def test_a_permalink_opens_its_pair_with_both_diverging_tokens_marked(browser, a
         page.close()
 
 
-def test_a_pair_is_shown_against_the_reports_reference_too(browser, audited):
+def test_a_pair_is_shown_against_the_reports_reference_too(browser, tmp_path):
     from lossless.stats import first_divergence
+    from test_backfill import twin_loader
 
-    out, records = audited
+    suite = write_suite(tmp_path / "s.jsonl")
+    out = tmp_path / "run"
+    run_audit(config(suite, configs=["fp32/sdpa", "bf16/sdpa"], max_new_tokens=24), out, load=twin_loader,
+              progress=False)
+    write_report(out, tokenizer=tiny_tokenizer())
+    records = read_records(out)
     fp32 = {r["prompt_id"]: r["ar_ids"] for r in records if r["dtype"] == "fp32"}
-    r = next(r for r in records if r["dtype"] == "bf16" and r["orthrus_ids"] != fp32[r["prompt_id"]])
-    j = first_divergence(r["orthrus_ids"], fp32[r["prompt_id"]])
+    apart = [r for r in records if r["dtype"] == "bf16" and r["ar_ids"] != fp32[r["prompt_id"]]]
+    assert apart, "the twin head's near ties make bf16 AR part from fp32 AR somewhere"
+    r = apart[0]
+    x = fp32[r["prompt_id"]]
     page = Page(browser, out / "report.html", _key_fragment(r["key"]))
     try:
         panel = page.page.locator("aside#pair")
         assert "Against fp32/sdpa AR, the report's reference" in panel.inner_text()
         said = panel.locator("p.against").inner_text()
-        ar_said = "equal to fp32/sdpa AR." if r["ar_ids"] == fp32[r["prompt_id"]] else "parts from fp32/sdpa AR at token"
-        assert f"the pair's AR reference: {ar_said}" in said and f"the candidate: parts from fp32/sdpa AR at token {j} " in said
-        # the two continuations from there, each with its token at that position marked
-        assert panel.locator(".side").last.locator(".t.xdiv").count() == 2
+        assert f"the pair's AR reference: parts from fp32/sdpa AR at token {first_divergence(r['ar_ids'], x)} " in said
+        cand = "equal to fp32/sdpa AR." if r["orthrus_ids"] == x else \
+            f"parts from fp32/sdpa AR at token {first_divergence(r['orthrus_ids'], x)} "
+        assert f"the candidate: {cand}" in said
+        if r["orthrus_ids"] != x:  # both continuations from there, each with its token at that position marked
+            assert panel.locator(".side").last.locator(".t.xdiv").count() == 2
+        # a pair of the reference configuration itself is already shown against it
+        own = next(q for q in records if q["dtype"] == "fp32")
+        page.page.goto((out / "report.html").resolve().as_uri() + "#" + _key_fragment(own["key"]))
+        assert "is equal to fp32/sdpa AR, the report's reference" in panel.inner_text()
         assert page.errors == []
     finally:
         page.close()
