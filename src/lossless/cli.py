@@ -15,7 +15,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .errors import LosslessError
-from .names import ATTN_KERNELS, AUTO, CYCLES, DEFAULT_LOOKUP, DEFAULT_TREE, DTYPE_NAMES, MODES, check_cycle, check_tree
+from .names import (ATTN_KERNELS, AUTO, CYCLES, DEFAULT_LOOKUP, DEFAULT_TREE, DTYPE_NAMES, EXACT, MODES, check_cycle,
+                    check_tree)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -395,8 +396,6 @@ def cmd_backfill(args) -> int:
     from .paths import check_writable_dir
     from .study.backfill import left_line, run_backfill
 
-    if args.limit is not None and args.limit < 1:
-        raise LosslessError(f"--limit must be a positive integer, got {args.limit}")
     if not Path(args.run_dir).is_dir():
         raise LosslessError(f"run directory {args.run_dir} does not exist: pass the --out directory of `lossless audit`")
     check_writable_dir(Path(args.run_dir), "run directory")
@@ -488,6 +487,9 @@ def cmd_serve(args) -> int:
 
     from .serving import Defaults, create_app
 
+    if args.batch > 1 and args.attn not in (AUTO, EXACT):
+        raise LosslessError(f"--batch {args.batch} needs exact kernels (a request's tokens must not depend on its "
+                            f"neighbours): serve with --attn exact, or --batch 1")
     _check_bindable(args.host, args.port)  # before minutes of loading
     if args.host not in ("127.0.0.1", "localhost", "::1") and not key:
         print(f"lossless: warning: serving on {args.host} without --api-key: anyone who reaches this port can "
@@ -499,8 +501,10 @@ def cmd_serve(args) -> int:
     defaults = Defaults(mode=args.mode, k=args.k, cycle=args.cycle, groups=args.groups, tree=args.tree,
                         lookup=args.lookup, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed, max_tokens=min(args.max_tokens, model.max_positions - 1))
+    if args.batch > 1 and model.attn != EXACT:  # --attn auto chose stock kernels on this device
+        raise LosslessError(f"--batch {args.batch} needs exact kernels, which this device has not: --batch 1")
     app = create_app(model, defaults, model_name=args.served_model_name, api_key=key, max_queue=args.max_queue,
-                     max_body=args.max_body)
+                     max_body=args.max_body, batch=args.batch)
     logging.getLogger("lossless.serve").info(
         "serving %s (%s %s, head %s) on http://%s:%d/v1%s", args.served_model_name or model.name, model.dtype_name,
         model.attn, model.head_digest[:12], args.host, args.port, " (API key required)" if key else "")
@@ -572,6 +576,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the most tokens a request may generate (also its default, where the context has room)")
     sv.add_argument("--max-body", type=_number(int, "--max-body", at_least=1024), default=1 << 20,
                     help="the largest request body in bytes (413 past it)")
+    sv.add_argument("--batch", type=_number(int, "--batch", at_least=1), default=1,
+                    help="decode up to this many requests together, one forward per step (exact kernels; each "
+                         "request's tokens are the ones it gets alone; AR steps with prompt lookup when greedy); "
+                         "1 = one at a time, each in the configuration it asks for")
     sv.add_argument("--mode", default="orthrus", choices=MODES, help="default decoding mode of a request")
     sv.add_argument("--k", type=_number(int, "--k", at_least=1), default=None, help="default block size (default: the head's k)")
     _add_cycle_args(sv)
@@ -702,7 +710,7 @@ def build_parser() -> argparse.ArgumentParser:
     bf = sub.add_parser("backfill", help="top tokens at the divergence for records made before audits kept them: "
                                          "each such pair decoded again up to its divergence, on the machine it names")
     bf.add_argument("run_dir", help="the --out directory of `lossless audit`")
-    bf.add_argument("--limit", type=int, default=None, help="at most this many pairs (default: all; it resumes)")
+    bf.add_argument("--limit", type=_number(int, "--limit", at_least=1), default=None, help="at most this many pairs (default: all; it resumes)")
     bf.add_argument("--shard", default=None, metavar="I/N",
                     help="every N-th pair, from the I-th: processes side by side (one per core, OMP_NUM_THREADS=1)")
     bf.add_argument("--no-progress", action="store_true", help="no progress bar")

