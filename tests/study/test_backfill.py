@@ -118,6 +118,38 @@ def test_a_pair_that_does_not_reproduce_keeps_no_tops_and_other_machines_pairs_a
     assert by_id[wrong]["tops_backfilled"] is False and by_id[wrong].get("ref_top_at_divergence") is None
 
 
+def test_a_record_holding_the_candidates_tops_only_gets_the_references_and_keeps_its_own(audited):
+    """A record whose AR reference was reused from a record made before tops were kept holds the candidate's side
+    only: the backfill fills in the reference's side, and the candidate's table stays the record's own."""
+    root, full = audited
+    by_id = {record_id(r): r for r in full}
+    diverging = [i for i, r in by_id.items() if not r["exact_match"]]
+
+    def keep_candidate_side(rs):
+        for r in rs:
+            r["orthrus_top_at_divergence"] = by_id[record_id(r)]["orthrus_top_at_divergence"]
+        return rs
+
+    out = old_run(root, full, "half", keep_candidate_side)
+    before = write_report(out, html=False)["top_tokens"]
+    assert before["missing"] == len(diverging) and before["recorded"] == 0
+    result = run_backfill(out, progress=False, load=twin_loader)
+    assert result["backfilled"] == len(diverging) and result["not_reproduced"] == 0
+    for r in load_run(out)[0]:
+        if record_id(r) in diverging:
+            assert r["tops_backfilled"] is True
+            assert r["ref_top_at_divergence"] == by_id[record_id(r)]["ref_top_at_divergence"] is not None
+            assert r["orthrus_top_at_divergence"] == by_id[record_id(r)]["orthrus_top_at_divergence"]
+    # a note whose candidate table is not the record's own is not shown
+    r = by_id[diverging[0]]
+    note = dict(annotations(out)[diverging[0]])
+    note["orthrus_top_at_divergence"] = [note["orthrus_top_at_divergence"][0], [note["orthrus_top_at_divergence"][1][0],
+                                         note["orthrus_top_at_divergence"][1][1]]] + [[0, -1e9]]
+    half = {k: v for k, v in r.items() if k != "ref_top_at_divergence"}
+    shown = apply([half], {diverging[0]: note})[0]
+    assert shown["tops_backfilled"] is False and shown.get("ref_top_at_divergence") is None
+
+
 def test_a_note_whose_tables_disagree_with_the_records_margins_is_not_shown(audited):
     root, full = audited
     out = old_run(root, full, "tampered")

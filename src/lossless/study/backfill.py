@@ -2,7 +2,8 @@
 
 A record of a diverging pair names both sides' top tokens and logits where the trajectories part
 (`ref_top_at_divergence`, `orthrus_top_at_divergence`): that is where a reader sees how near a tie the flip
-was. Records from before those fields hold neither. `backfill` decodes each such pair again, on the machine
+was. Records from before those fields hold neither, and a record whose AR reference was reused from such a
+record (exact mode against stock AR) holds the candidate's side only. `backfill` decodes each such pair again, on the machine
 and thread count that made it (the record's `machine`), up to its divergence only (`DecodeConfig.stop_after`:
 every forward as in the full decode, so the start of a decode is the start of the full one, to the bit),
 checks that the tokens up to and including the divergence are the recorded ones on both sides, and that the
@@ -56,19 +57,30 @@ def _diverging(r: dict) -> bool:
     return not r.get("exact_match", True) and r.get("first_divergence") is not None
 
 
+def _sides(r: dict):
+    """(field, trajectory, margin at the divergence) of the reference's side and the candidate's."""
+    return (("ref_top_at_divergence", r.get("ar_ids") or [], r.get("ref_margin_at_divergence")),
+            ("orthrus_top_at_divergence", r.get("orthrus_ids") or [], r.get("orthrus_margin_at_divergence")))
+
+
+def _lacks(r: dict) -> list[str]:
+    """The sides whose top tokens a diverging record lacks (a side that ended before the divergence has none)."""
+    div = int(r["first_divergence"])
+    return [field for field, ids, _ in _sides(r) if r.get(field) is None and div < len(ids)]
+
+
 def wants_tops(r: dict) -> bool:
-    """A diverging record of a decode-loop candidate without its top tokens (records from before they were kept;
-    candidates outside the decode loop never have them)."""
-    return _diverging(r) and _candidate(r) in DECODE_LOOP and all(r.get(f) is None for f in FIELDS)
+    """A diverging record of a decode-loop candidate that lacks the top tokens of a side: records from before they
+    were kept, and the reference's side of records whose AR reference was reused from such a record (candidates
+    outside the decode loop never have them)."""
+    return _diverging(r) and _candidate(r) in DECODE_LOOP and bool(_lacks(r))
 
 
 def consistent(r: dict, note: dict) -> bool:
     """Whether a note's top tables agree with what the record kept of the same logits: on each side, the top token
     is the one the trajectory chose at the divergence (or ties it), and the top-1 minus top-2 logit is the recorded margin there."""
     div = int(r["first_divergence"])
-    for field, ids, margin in (("ref_top_at_divergence", r.get("ar_ids") or [], r.get("ref_margin_at_divergence")),
-                               ("orthrus_top_at_divergence", r.get("orthrus_ids") or [],
-                                r.get("orthrus_margin_at_divergence"))):
+    for field, ids, margin in _sides(r):
         top = note.get(field)
         if div >= len(ids):  # this side ended (EOS) before the divergence: it has no token there
             if top is not None:
@@ -83,14 +95,16 @@ def consistent(r: dict, note: dict) -> bool:
 
 
 def apply(records: list[dict], notes: dict[str, dict]) -> list[dict]:
-    """The records with the annotated tops filled in (copies; a record holding tops of its own keeps them). A note
-    counts as reproduced only if it says so and its tables agree with the record (`consistent`)."""
+    """The records with the annotated tops filled in where they lack them (copies; a side the record holds keeps
+    its own table). A note counts as reproduced only if it says so and both its tables agree with the record
+    (`consistent`; a table the record holds is the note's own, decoded again)."""
     out = []
     for r in records:
         a = notes.get(record_id(r)) if notes and wants_tops(r) else None
         if a is not None:
-            ok = bool(a.get("reproduced")) and consistent(r, a)
-            r = {**r, "tops_backfilled": ok, **({f: a.get(f) for f in FIELDS} if ok else {})}
+            ok = bool(a.get("reproduced")) and consistent(r, a) and \
+                all(r.get(f) is None or r[f] == a.get(f) for f in FIELDS)
+            r = {**r, "tops_backfilled": ok, **({f: a.get(f) for f in _lacks(r)} if ok else {})}
         out.append(r)
     return out
 
@@ -107,7 +121,7 @@ def top_token_counts(records: list[dict]) -> dict[str, int]:
             c["not_reproduced"] += 1
         elif r.get("tops_backfilled"):
             c["backfilled"] += 1
-        elif all(r.get(f) is None for f in FIELDS):
+        elif _lacks(r):  # a side is not known (both, or the reference's of a reused reference)
             c["missing"] += 1
         else:
             c["recorded"] += 1
