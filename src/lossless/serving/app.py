@@ -63,6 +63,8 @@ class Metrics:
         self.time_to_first_token = Histogram(
             "lossless_time_to_first_token_seconds", "arrival to the first generated token (queueing included)",
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
+        self.batch_size = Histogram("lossless_batch_size", "requests decoding together, per step (--batch)",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
         self.time_per_token = Histogram(
             "lossless_time_per_output_token_seconds", "seconds per generated token after the first, per request",
             buckets=(0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28), registry=r)
@@ -107,12 +109,13 @@ class Gate:
 
 
 def create_app(model, defaults: Defaults | None = None, *, model_name: str | None = None, api_key: str | None = None,
-               max_queue: int = 16, max_body: int = 1 << 20) -> FastAPI:
-    """The server's ASGI app for `model` (an OrthrusLM). `lossless serve` runs it with uvicorn."""
+               max_queue: int = 16, max_body: int = 1 << 20, batch: int = 1) -> FastAPI:
+    """The server's ASGI app for `model` (an OrthrusLM). `lossless serve` runs it with uvicorn. `batch` > 1:
+    up to that many requests decode together (exact kernels; see `engine.py`)."""
     defaults = defaults or Defaults()
     name = model_name or model.name
     metrics = Metrics()
-    engine = Engine(model, max_queue=max_queue, metrics=metrics)
+    engine = Engine(model, max_queue=max_queue, metrics=metrics, batch=batch)
     created = int(time.time())
 
     @asynccontextmanager

@@ -1,10 +1,16 @@
 """One model, one decoding thread, a FIFO queue in front of it.
 
 Owns the order of work and its lifetime: a `Job` (prompt ids and generate settings) waits in a bounded
-queue (`QueueFull` at once when it is full) and decodes alone on the engine's thread, which owns the model;
-its text reaches the request's event loop as it is committed, already cut at the stop strings. A job is
-cancelled by its request (a client that went away) or by shutdown, between two cycles. It does not know
-HTTP; `app.py` turns jobs into responses.
+queue (`QueueFull` at once when it is full) and decodes on the engine's thread, which owns the model; its
+text reaches the request's event loop as it is committed, already cut at the stop strings. A job is
+cancelled by its request (a client that went away) or by shutdown, between two cycles.
+
+With `batch` 1 jobs decode one at a time, each in the configuration it asked for (`OrthrusLM.generate`). With
+`batch` > 1 (exact kernels) up to that many decode together, one forward per step (`decoding.batch`): a job
+joins at the next step after it arrives and leaves at the step it ends, and its tokens are bitwise the ones it
+gets alone. A batch runs AR steps, greedy ones with prompt lookup (the draft view's passes decode one sequence
+at a time): greedy tokens are the same as any lossless configuration's on exact kernels; sampled ones are
+`--mode ar`'s with the same seed. It does not know HTTP; `app.py` turns jobs into responses.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import LosslessError
-from ..text import StopCutter
+from ..names import DEFAULT_LOOKUP, EXACT
+from ..text import StopCutter, StreamDecoder
 
 log = logging.getLogger("lossless.serve")
 
@@ -67,17 +74,22 @@ class Job:
 
 
 class Engine:
-    """Decodes jobs one at a time, in the order they came, on one thread that owns `model`. A place in the queue
-    is held by a job that waits and whose client is still there: a cancelled job gives its place back at once."""
+    """Decodes jobs in the order they came, on one thread that owns `model`: one at a time, or up to `batch`
+    together (exact kernels). A place in the queue is held by a job that waits and whose client is still there:
+    a cancelled job gives its place back at once."""
 
-    def __init__(self, model, max_queue: int = 16, metrics=None):
-        self.model, self.metrics, self.max_queue = model, metrics, max_queue
+    def __init__(self, model, max_queue: int = 16, metrics=None, batch: int = 1):
+        if batch > 1 and getattr(model, "attn", None) != EXACT:
+            raise LosslessError(f"--batch {batch} needs exact kernels (a request's tokens must not depend on its "
+                                f"neighbours): serve with --attn exact, or --batch 1")
+        self.model, self.metrics, self.max_queue, self.batch = model, metrics, max_queue, batch
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._waiting: set[Job] = set()
         self._closing = False
-        self.current: Job | None = None
-        self._thread = threading.Thread(target=self._run, name="lossless-decode", daemon=True)
+        self.running: set[Job] = set()  # decoding now
+        self._thread = threading.Thread(target=self._run if batch == 1 else self._run_batched,
+                                        name="lossless-decode", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
@@ -101,13 +113,13 @@ class Engine:
             return self._depth()
 
     def _depth(self) -> int:
-        return len(self._waiting) + (self.current is not None)
+        return len(self._waiting) + len(self.running)
 
     def stop(self) -> None:
         """Take no more work; cancel what runs and what waits (each gets ShuttingDown). Returns at once."""
         with self._lock:
             self._closing = True
-            doomed = [*self._waiting, *([self.current] if self.current is not None else [])]
+            doomed = [*self._waiting, *self.running]
         for job in doomed:
             job.cancel()
             job.emit("error", ShuttingDown("the server is shutting down"))
@@ -122,42 +134,109 @@ class Engine:
         if self.metrics is not None:
             self.metrics.queue_depth.set(self._depth())
 
-    def _run(self) -> None:
+    def _take(self, block: bool) -> Job | None | bool:
+        """The next job to decode (marked running), None at shutdown, False when none is waiting (`block` False)."""
         while True:
-            job = self._queue.get()
+            try:
+                job = self._queue.get(block=block)
+            except queue.Empty:
+                return False
             if job is None:
-                break
+                return None
             with self._lock:
                 self._waiting.discard(job)
                 if self._closing or job.cancelled.is_set():
                     self._gauge()
                     continue
-                self.current = job
+                self.running.add(job)
                 self._gauge()
+            return job
+
+    def _done(self, job: Job, result) -> None:
+        """Hand a job its result (or its error) and free its place."""
+        with self._lock:
+            self.running.discard(job)
+            self._gauge()
+        if isinstance(result, Exception):
+            job.emit("error", result)
+        elif not (self._closing and job.cancelled.is_set()):  # stop() has told it already
+            job.emit("done", result)
+
+    def _run(self) -> None:
+        while (job := self._take(block=True)) is not None:
             try:
                 result = self._decode(job)
             except Exception as exc:  # a request's failure is its own; the next one decodes
-                if not isinstance(exc, LosslessError):
-                    log.exception("decoding failed")
-                result = exc
-            with self._lock:
-                self.current = None
-                self._gauge()
-            if isinstance(result, Exception):
-                job.emit("error", result)
-            elif not (self._closing and job.cancelled.is_set()):  # stop() has told it already
-                job.emit("done", result)
+                result = _failed(exc)
+            self._done(job, result)
+
+    def _run_batched(self) -> None:
+        from ..decoding.batch import BatchDecoder
+
+        decoder = BatchDecoder(self.model)
+        live: dict[object, _Live] = {}  # sequence -> its job's streaming state
+        while True:
+            # 1. admit: waiting jobs join while there is room (wait for one only when nothing decodes)
+            while len(live) < self.batch:
+                job = self._take(block=not live)
+                if job is None:
+                    return self._abandon(live)
+                if job is False:
+                    break
+                try:
+                    entry = _Live(job, self.model.tokenizer)
+                    seq = decoder.add(job.prompt_ids, batch_config(job.settings), on_tokens=entry.on_tokens)
+                except Exception as exc:
+                    self._done(job, _failed(exc))
+                    continue
+                entry.lookup = seq.cfg.lookup
+                live[seq] = entry
+            # 2. a job stopped by its stop string or its client leaves before the step
+            for seq, entry in live.items():
+                if entry.cutter.stopped or entry.job.cancelled.is_set():
+                    seq.finish("stop")
+            # 3. one forward for all of them; the ones that ended get their results
+            if self.metrics is not None and decoder.active:
+                self.metrics.batch_size.observe(len(decoder.active))
+            try:
+                ended = decoder.step()
+            except Exception as exc:  # fails the jobs of this batch; the next ones start on a fresh decoder
+                for entry in live.values():
+                    self._done(entry.job, _failed(exc))
+                live, decoder = {}, BatchDecoder(self.model)
+                continue
+            for seq in ended:
+                entry = live.pop(seq)
+                try:
+                    result = self._result(entry, seq)
+                except Exception as exc:
+                    result = _failed(exc)
+                self._done(entry.job, result)
+
+    def _abandon(self, live: dict) -> None:
+        """Shutdown: `stop` has cancelled and told every running job already."""
+        with self._lock:
+            for entry in live.values():
+                self.running.discard(entry.job)
+            self._gauge()
+
+    def _result(self, entry: "_Live", seq) -> Result:
+        from ..decoding.loop import GenerationOutput
+
+        state, model = seq.state, self.model
+        text = model.tokenizer.decode(state.generated, skip_special_tokens=True) if model.tokenizer is not None else ""
+        config = {"dtype": model.dtype_name, "attn": model.attn, "exact": True, "mode": "ar", "cycle": None, "k": None,
+                  "tree": 0, "lookup": entry.lookup, "batched": True}
+        out = GenerationOutput(text=text, token_ids=state.generated, stats=state.stats.to_dict(),
+                               prompt_ids=state.tokens[:state.n_prompt], finish_reason=state.finished, config=config)
+        return self._answer(entry.job, entry.cutter, out, entry.last)
 
     def _decode(self, job: Job) -> Result:
         cutter = StopCutter(job.stops)
         last = [job.arrived, 0]  # time and count of the latest committed tokens
 
         def on_tokens(ids):
-            if ids:
-                now = time.perf_counter()
-                if job.first_token_at is None:
-                    job.first_token_at = now
-                last[0], last[1] = now, last[1] + len(ids)
+            _note_tokens(job, last, ids)
 
         def on_text(delta):
             piece = cutter.push(delta)
@@ -166,6 +245,10 @@ class Engine:
 
         out = self.model.generate(job.prompt_ids, on_text=on_text, on_tokens=on_tokens,
                                   stop=lambda: cutter.stopped or job.cancelled.is_set(), **job.settings)
+        return self._answer(job, cutter, out, last)
+
+    def _answer(self, job: Job, cutter: StopCutter, out, last) -> Result:
+        """The job's result from its decode's output: the text cut at the stop strings, exactly what was streamed."""
         if not cutter.stopped:
             if out.text.startswith(cutter.text):  # the stream held back a trailing incomplete character
                 piece = cutter.push(out.text[len(cutter.text):])
@@ -196,3 +279,49 @@ class Engine:
                 m.time_per_token.observe((last[0] - job.first_token_at) / (last[1] - 1))
         if out.config.get("mode") == "orthrus" and out.stats.get("steps"):
             m.tokens_per_cycle.observe(out.stats["tokens_per_step"])
+
+
+def _failed(exc: Exception) -> Exception:
+    if not isinstance(exc, LosslessError):
+        log.exception("decoding failed", exc_info=exc)
+    return exc
+
+
+def _note_tokens(job: Job, last: list, ids: list[int]) -> None:
+    """Time and count of a job's latest committed tokens (for its time to first token and time per token)."""
+    if ids:
+        now = time.perf_counter()
+        if job.first_token_at is None:
+            job.first_token_at = now
+        last[0], last[1] = now, last[1] + len(ids)
+
+
+class _Live:
+    """A job decoding in the batch: its text stream, cut at its stop strings as tokens are committed."""
+
+    def __init__(self, job: Job, tokenizer):
+        self.job, self.cutter, self.last, self.lookup = job, StopCutter(job.stops), [job.arrived, 0], 0
+        self.stream = StreamDecoder(tokenizer) if tokenizer is not None else None
+
+    def on_tokens(self, ids: list[int]) -> None:
+        _note_tokens(self.job, self.last, ids)
+        if self.stream is not None:
+            piece = self.cutter.push(self.stream.push(ids))
+            if piece:
+                self.job.emit("text", piece)
+
+
+def batch_config(settings: dict):
+    """A job's `generate` settings as a batch runs them: AR steps, greedy ones with prompt lookup (the request's,
+    else DEFAULT_LOOKUP) unless the job asked for AR; trees, the fused cycle and the draft view are not run."""
+    from ..decoding.loop import DecodeConfig
+    from ..decoding.sampling import SamplingConfig
+
+    sampling = SamplingConfig(temperature=settings.get("temperature", 0.0), top_k=settings.get("top_k", 0),
+                              top_p=settings.get("top_p", 1.0), seed=settings.get("seed", 0))
+    lookup = settings.get("lookup")
+    if settings.get("mode", "orthrus") == "ar" or not sampling.greedy:
+        lookup = 0
+    elif lookup is None:
+        lookup = DEFAULT_LOOKUP
+    return DecodeConfig(max_new_tokens=settings["max_new_tokens"], sampling=sampling, lookup=int(lookup))

@@ -1,0 +1,218 @@
+"""Continuous batching on exact kernels: sequences decode side by side in one forward per step, each getting
+bitwise the logits, so the tokens, it gets alone.
+
+Why this holds: in exact mode every row of a forward is computed from its own inputs only (linear layers, norms
+and the MLP run one fixed chain per output whatever the other rows), and attention reads, for each row, exactly
+the keys its visibility lets it see, in cache order (`exact.py`). So the sequences of a batch share one cache,
+batch 1 in Hugging Face's terms: a forward appends its rows at the shared cache's end, and each row sees its
+own sequence's keys (written in its positions' order) and the rows of its own sequence before it in this
+forward, nothing else. Its positions are its own sequence's (0, 1, ... from its prompt on). The forward is one
+layer-stack call over the rows of every sequence: the weights are read once per step for all of them, which
+is what makes a step of B sequences cost far less than B steps on a memory-bound CPU.
+
+A sequence's keys are where its rows landed (`Slots`: their positions in the shared cache). Tokens the decode
+loop does not keep (drafts a verify rejected) and sequences that ended leave rows nobody sees; `compact` copies
+the live rows into a new cache, in order, once the dead ones outnumber them.
+
+Each sequence is an ordinary `DecodeState` whose cache is its `Slots`, so `loop.commit` (EOS, length, cropping
+the cache to the committed tokens) runs unchanged; the step reuses the loop's token choice, prompt lookup and
+greedy acceptance. What a step may run: AR (greedy or sampled: a sequence draws from its own generator) and,
+greedy, prompt lookup (`lookup`: tokens copied from earlier context verified in the same forward; no draft
+pass). The draft view's passes stay with the single-sequence loops.
+
+This module knows no server, tokenizer or text; `serving/engine.py` drives `BatchDecoder.step`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import LosslessError
+from ..names import EXACT
+from .dualview import additive_mask
+from .loop import LOOKUP_ALONE, DecodeConfig, DecodeState, accept_greedy, commit, lookup_proposal, validate
+from .sampling import argmax, sample
+
+# Compaction copies every live row of the shared cache once; it runs when the rows nobody sees are more than the
+# live ones and at least this many (a few steps of a full batch), so a step rarely pays for it.
+COMPACT_AT = 256
+
+
+class Slots:
+    """One sequence's keys in the shared cache: the positions its rows were written at, in order. It stands in
+    for the sequence's own cache where `loop.commit` crops it (`get_seq_length`, `crop`)."""
+
+    def __init__(self):
+        self.at: list[int] = []
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return len(self.at)
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first max_length positions (negative: drop that many from the end), as `DynamicCache.crop`."""
+        keep = len(self.at) + max_length if max_length < 0 else max_length
+        del self.at[keep:]
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request in the batch: its decode state (tokens, stats, finish reason), settings and pending rows."""
+
+    state: DecodeState
+    cfg: DecodeConfig
+    generator: torch.Generator
+    on_tokens: Callable[[list[int]], None] | None = None
+    pending: list[int] = field(default_factory=list)  # ids to feed next step: the prompt, then the last token
+    drafts: list[int] = field(default_factory=list)  # this step's lookup tokens, after `pending`
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def finished(self) -> str | None:
+        return self.state.finished
+
+    def finish(self, reason: str = "stop") -> None:
+        """End the sequence early (a stop string, a client that left); its rows become dead."""
+        if self.state.finished is None:
+            self.state.finished = reason
+
+
+class BatchDecoder:
+    """Sequences of one exact-mode model decoding together: `add` a request, `step` until it is `finished`."""
+
+    def __init__(self, model):
+        if getattr(model, "attn", None) != EXACT:
+            raise LosslessError("batched decoding needs exact kernels (each sequence's tokens must not depend on its "
+                                f"neighbours): load the model with attn='exact' (got {getattr(model, 'attn', None)!r})")
+        self.model = model
+        self.cache = model.new_cache()
+        self.sequences: list[Sequence] = []
+        self.compactions = 0
+
+    def add(self, prompt_ids: list[int], cfg: DecodeConfig, on_tokens=None) -> Sequence:
+        """A new sequence; it joins the next step (which runs its prompt beside the others' rows)."""
+        if not cfg.eos_ids:
+            cfg = dataclasses.replace(cfg, eos_ids=tuple(self.model.eos_token_ids()))
+        validate(self.model, prompt_ids, cfg, "ar")
+        if cfg.lookup and not cfg.sampling.greedy:
+            raise LosslessError("prompt lookup verifies greedy choices: drop --lookup or use --temperature 0")
+        if cfg.tree or cfg.cycle != "two-pass":
+            raise LosslessError("a batch runs AR steps (with prompt lookup, greedy): candidate trees and the fused "
+                                "cycle decode one sequence at a time")
+        seq = Sequence(state=DecodeState(tokens=list(prompt_ids), n_prompt=len(prompt_ids), cache=Slots()), cfg=cfg,
+                       generator=cfg.sampling.generator(self.model.device), on_tokens=on_tokens,
+                       pending=list(prompt_ids))
+        self.sequences.append(seq)
+        return seq
+
+    @property
+    def active(self) -> list[Sequence]:
+        return [s for s in self.sequences if s.finished is None]
+
+    def step(self) -> list[Sequence]:
+        """One forward over every active sequence's rows: commit each one's new tokens (calling its `on_tokens`).
+        Returns the sequences that finished in it (or before it, e.g. by `finish`), which leave the batch."""
+        ended = [s for s in self.sequences if s.finished is not None]
+        live = self.active
+        if live:
+            for seq in live:  # 1. propose: prompt lookup's copies after the last token, where it applies
+                seq.drafts = self._lookup(seq)
+            logits = self._forward(live)  # 2. verify: one forward, each sequence's rows seeing its own keys
+            for seq, rows in zip(live, logits):  # 3. accept, 4. commit
+                self._commit(seq, rows)
+            ended += [s for s in live if s.finished is not None]
+        self.sequences = [s for s in self.sequences if s.finished is None]
+        self._maybe_compact()
+        return ended
+
+    def _lookup(self, seq: Sequence) -> list[int]:
+        cfg, state = seq.cfg, seq.state
+        if not cfg.lookup or not cfg.sampling.greedy or not state.generated:
+            return []
+        room = cfg.max_new_tokens - len(state.generated) - 1  # never verify past max_new_tokens
+        copy, size = lookup_proposal(state.tokens, min(cfg.lookup, room))
+        # a match this short is right too rarely to pay for its rows beside every other sequence's
+        return copy if size >= LOOKUP_ALONE else []
+
+    def _forward(self, live: list[Sequence]) -> list[torch.Tensor]:
+        """The shared forward: per sequence, the logits [len(rows), V] of the rows it needs (a prompt's last row,
+        a step's row and its lookup copies)."""
+        n = self.cache.get_seq_length()
+        ids, positions, spans = [], [], []
+        for seq in live:
+            rows = [*seq.pending, *seq.drafts]
+            spans.append((len(ids), len(rows)))
+            ids += rows
+            positions += range(len(seq.state.cache.at), len(seq.state.cache.at) + len(rows))
+        r = len(ids)
+        visible = torch.zeros(r, n + r, dtype=torch.bool)
+        for seq, (start, m) in zip(live, spans):
+            if seq.state.cache.at:
+                visible[start:start + m, torch.tensor(seq.state.cache.at)] = True
+            visible[start:start + m, n + start:n + start + m] = torch.ones(m, m, dtype=torch.bool).tril()
+        device = self.model.device
+        out = self.model.backbone.model(input_ids=torch.tensor([ids], device=device),
+                                        position_ids=torch.tensor([positions], device=device),
+                                        attention_mask=additive_mask(visible, self.model.dtype).to(device),
+                                        cache=self.cache, use_cache=True)
+        # the LM head on the rows a choice is made from: a prompt's last row, a step's row and its copies' rows
+        wanted = []
+        for seq, (start, m) in zip(live, spans):
+            first = start + len(seq.pending) - 1
+            wanted.append((first, start + m))
+            seq.state.cache.at += range(n + start, n + start + m)
+            seq.state.stats.forwards += 1
+        index = torch.tensor([i for a, b in wanted for i in range(a, b)], device=device)
+        logits = self.model.backbone.lm_head(out.last_hidden_state[0].index_select(0, index))
+        pieces, at = [], 0
+        for a, b in wanted:
+            pieces.append(logits[at:at + b - a])
+            at += b - a
+        return pieces
+
+    def _commit(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Phases 3-4 for one sequence: logits [1 + len(drafts), V] from its last fed token on."""
+        state, cfg = seq.state, seq.cfg
+        prefill = not state.generated
+        if cfg.sampling.greedy:
+            n_accepted, token = accept_greedy(seq.drafts, logits) if seq.drafts else (0, int(argmax(logits[0])))
+        else:
+            n_accepted, token = 0, sample(cfg.sampling.probs(logits[0]), seq.generator)
+        if seq.drafts:
+            state.stats.accepted.append(n_accepted)
+        new = commit(state, [*seq.drafts[:n_accepted], token], cfg, logits[: n_accepted + 1])
+        if not prefill:
+            state.stats.steps += 1
+        seq.pending, seq.drafts = [state.tokens[-1]], []
+        state.stats.seconds = time.perf_counter() - seq.started
+        if seq.on_tokens is not None and new:
+            seq.on_tokens(new)
+        if state.finished is None and cfg.stop_after is not None and len(state.generated) >= cfg.stop_after:
+            state.finished = "stop"
+
+    def _maybe_compact(self) -> None:
+        live = sum(len(s.state.cache.at) for s in self.sequences)
+        dead = self.cache.get_seq_length() - live
+        if dead >= max(COMPACT_AT, live):
+            self.compact()
+
+    def compact(self) -> None:
+        """Copy the live rows of the shared cache into a new one, each sequence's in order (the same keys and
+        values, so the same bits in every later forward)."""
+        fresh = self.model.new_cache()
+        order = [p for s in self.sequences for p in s.state.cache.at]
+        if order:
+            index = torch.tensor(order, device=self.model.device)
+            for i, layer in enumerate(self.cache.layers):
+                fresh.update(layer.keys.index_select(2, index), layer.values.index_select(2, index), i)
+        at = 0
+        for s in self.sequences:
+            m = len(s.state.cache.at)
+            s.state.cache.at = list(range(at, at + m))
+            at += m
+        self.cache = fresh
+        self.compactions += 1

@@ -1,0 +1,132 @@
+"""Continuous batching on exact kernels: a sequence decoded beside any others, joining and leaving at any step,
+gets bitwise the logits (so the tokens, margins and top tokens) it gets decoded alone; a finished sequence's rows
+are compacted away without changing anyone's bits."""
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import NO_EOS, tiny_backbone
+from lossless.decoding import batch as batching
+from lossless.decoding.batch import BatchDecoder
+from lossless.decoding.loop import DecodeConfig, decode
+from lossless.decoding.model import OrthrusLM
+from lossless.decoding.sampling import SamplingConfig
+from lossless.errors import LosslessError
+
+SLOW = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+_MODELS: dict = {}
+
+
+def exact_model(family: str, dtype: torch.dtype) -> OrthrusLM:
+    if (family, dtype) not in _MODELS:
+        model = OrthrusLM(tiny_backbone(family).to(dtype), k=8)
+        model.set_attn("exact")
+        _MODELS[(family, dtype)] = model
+    return _MODELS[(family, dtype)]
+
+
+def alone(model, prompt, cfg):
+    """The single-sequence AR decode (the reference every batched sequence must equal)."""
+    return decode(model, prompt, "ar", dataclasses.replace(cfg, record_margins=True))
+
+
+def run_batch(model, requests, joins, compact_at=None):
+    """Decode `requests` [(prompt, cfg)] in one batch, request i joining before step joins[i]; returns their
+    finished sequences in request order."""
+    dec = BatchDecoder(model)
+    seqs, step = [None] * len(requests), 0
+    order = sorted(range(len(requests)), key=lambda i: joins[i])
+    while any(s is None or s.finished is None for s in seqs):
+        for i in order:
+            if seqs[i] is None and joins[i] <= step:
+                prompt, cfg = requests[i]
+                seqs[i] = dec.add(prompt, dataclasses.replace(cfg, record_margins=True))
+        if compact_at is not None and step == compact_at:
+            dec.compact()
+        dec.step()
+        step += 1
+    return seqs, dec
+
+
+def assert_same(seq, ref):
+    assert seq.state.generated == ref.generated
+    assert seq.state.finished == ref.finished
+    assert seq.state.margins == ref.margins and seq.state.tops == ref.tops  # the logits, to the bit
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@settings(max_examples=6, **SLOW)
+@given(data=st.data())
+def test_each_sequence_of_a_batch_equals_its_decode_alone(family, dtype, data):
+    model = exact_model(family, dtype)
+    n = data.draw(st.integers(1, 5), label="sequences")
+    requests, joins = [], []
+    for i in range(n):
+        prompt = data.draw(st.lists(st.integers(0, 62), min_size=1, max_size=40), label=f"prompt{i}")
+        temperature = data.draw(st.sampled_from([0.0, 0.0, 0.9]), label=f"temperature{i}")
+        lookup = data.draw(st.sampled_from([0, 4]), label=f"lookup{i}") if temperature == 0 else 0
+        cfg = DecodeConfig(max_new_tokens=data.draw(st.integers(1, 24), label=f"new{i}"), eos_ids=NO_EOS,
+                           lookup=lookup, sampling=SamplingConfig(temperature=temperature, seed=i))
+        requests.append((prompt, cfg))
+        joins.append(data.draw(st.integers(0, 12), label=f"join{i}"))
+    compact_at = data.draw(st.one_of(st.none(), st.integers(0, 12)), label="compact at")
+    seqs, _ = run_batch(model, requests, joins, compact_at)
+    for seq, (prompt, cfg) in zip(seqs, requests):
+        assert_same(seq, alone(model, prompt, cfg))
+
+
+def test_a_batch_stops_each_sequence_at_its_eos_and_its_length():
+    model = exact_model("llama", torch.bfloat16)
+    prompt = [1, 5, 9, 3]
+    free = alone(model, prompt, DecodeConfig(max_new_tokens=20, eos_ids=NO_EOS)).generated
+    eos = free[6]
+    requests = [(prompt, DecodeConfig(max_new_tokens=20, eos_ids=(eos,))), (prompt, DecodeConfig(max_new_tokens=3)),
+                ([7, 7, 7], DecodeConfig(max_new_tokens=20, eos_ids=NO_EOS))]
+    seqs, dec = run_batch(model, requests, [0, 1, 2])
+    assert seqs[0].state.generated == free[: free.index(eos) + 1] and seqs[0].finished == "eos"
+    assert len(seqs[1].state.generated) == 3 and seqs[1].finished in ("length", "eos")
+    assert seqs[2].finished == "length" and len(seqs[2].state.generated) == 20
+    assert dec.sequences == []
+
+
+def test_finished_rows_are_compacted_away_and_the_rest_decode_on_unchanged(monkeypatch):
+    monkeypatch.setattr(batching, "COMPACT_AT", 8)
+    model = exact_model("qwen3", torch.bfloat16)
+    long = ([3, 1, 4, 1, 5, 9, 2, 6], DecodeConfig(max_new_tokens=40, eos_ids=NO_EOS))
+    shorts = [([i, i + 1, i + 2] * 4, DecodeConfig(max_new_tokens=4, eos_ids=NO_EOS)) for i in range(5)]
+    seqs, dec = run_batch(model, [long, *shorts], [0, 0, 2, 4, 6, 8])
+    assert dec.compactions >= 1
+    for seq, (prompt, cfg) in zip(seqs, [long, *shorts]):
+        assert_same(seq, alone(model, prompt, cfg))
+
+
+def test_a_sequence_ended_early_leaves_and_the_others_finish():
+    model = exact_model("llama", torch.float32)
+    dec = BatchDecoder(model)
+    a = dec.add([1, 2, 3], DecodeConfig(max_new_tokens=30, eos_ids=NO_EOS))
+    b = dec.add([4, 5, 6], DecodeConfig(max_new_tokens=6, eos_ids=NO_EOS, record_margins=True))
+    dec.step()
+    a.finish("stop")
+    ended = dec.step()
+    assert a in ended and a.finished == "stop" and len(a.state.generated) == 1
+    while b.finished is None:
+        dec.step()
+    assert_same(b, alone(model, [4, 5, 6], DecodeConfig(max_new_tokens=6, eos_ids=NO_EOS)))
+
+
+def test_batching_refuses_stock_kernels_and_what_a_batch_cannot_run():
+    stock = OrthrusLM(tiny_backbone("llama"), k=8)
+    with pytest.raises(LosslessError, match="exact kernels"):
+        BatchDecoder(stock)
+    dec = BatchDecoder(exact_model("llama", torch.float32))
+    with pytest.raises(LosslessError, match="candidate trees"):
+        dec.add([1, 2], DecodeConfig(tree=8))
+    with pytest.raises(LosslessError, match="greedy"):
+        dec.add([1, 2], DecodeConfig(lookup=4, sampling=SamplingConfig(temperature=0.5)))
+    with pytest.raises(LosslessError, match="context"):
+        dec.add([1] * 250, DecodeConfig(max_new_tokens=10))
