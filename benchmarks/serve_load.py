@@ -1,13 +1,17 @@
-"""`lossless serve` under load: throughput and latency with 1, 2, 4 and 8 concurrent clients.
+"""`lossless serve` under load: throughput and latency with 1, 2, 4 and 8 concurrent clients, for one server
+configuration or several side by side (`--configs`, e.g. one at a time against `--batch 8`).
 
-Starts one `lossless serve` (the model, dtype, attn and decoding options given here; by default the embedded model
-in the fastest lossless configuration), warms it up, then for each level of concurrency C runs C client threads of
-the official `openai` client, each streaming `--requests` chat completions of `--max-tokens` tokens over held-out
-prompts (taken in turn, so every level answers the same prompts). Requests decode one at a time (FIFO), so
-throughput should stay flat while latency grows with C. Per level: total completion tokens / wall seconds, and
-per request the time to first token and the whole latency (median, p90). Prints a table and, last, one JSON line.
+Starts one `lossless serve` per configuration (the model, dtype, attn and decoding options given here; by default
+the embedded model in the fastest lossless configuration), warms each up, then `--repeats` times, for each level
+of concurrency C and each configuration in a shuffled order (the other servers idle), runs C client threads of the
+official `openai` client, each streaming `--requests` chat completions of `--max-tokens` tokens over held-out
+prompts (taken in turn, so every level and configuration answers the same prompts). Per configuration and level:
+total completion tokens / wall seconds, and per request the time to first token and the whole latency (median,
+p90), each the median over the repeats; per level, every configuration's throughput as a ratio to the first one's,
+paired by repeat, with a bootstrap 95% interval. Prints a table and, last, one JSON line.
 
     python benchmarks/serve_load.py --clients 1,2,4,8 --requests 3 --max-tokens 64 --threads 2
+    python benchmarks/serve_load.py --configs '--batch 1;--batch 8' --repeats 3 --threads 2
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, port: int, log) -> subprocess.Popen:
+def start_server(args, port: int, log, serve_args: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "lossless", "serve", "--model", args.model, "--dtype", args.dtype, "--attn", args.attn,
-           "--port", str(port), "--max-queue", "64", *args.serve_args.split()]
+           "--port", str(port), "--max-queue", "64", *serve_args.split()]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 600
@@ -100,51 +104,89 @@ def run_level(client, model: str, prompts: list[str], clients: int, requests: in
             "tokens_per_cycle": round(statistics.mean(cycles), 3) if cycles else None}
 
 
+def median_row(runs: list[dict]) -> dict:
+    """One configuration at one level over the repeats: each number the median of the runs'."""
+    out = {"clients": runs[0]["clients"], "requests": runs[0]["requests"], "repeats": len(runs)}
+    for key in ("tokens_per_second", "latency_median", "latency_p90", "ttft_median", "ttft_p90", "tokens_per_cycle"):
+        values = [r[key] for r in runs if r[key] is not None]
+        out[key] = round(statistics.median(values), 3) if values else None
+    out["runs"] = runs
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--attn", default="auto")
     parser.add_argument("--serve-args", default="", help="more options of lossless serve, e.g. '--mode ar'")
+    parser.add_argument("--configs", default=None,
+                        help="several servers' options, separated by ';' (e.g. '--batch 1;--batch 8'): ratios are to "
+                             "the first (default: --serve-args alone)")
     parser.add_argument("--clients", default="1,2,4,8")
     parser.add_argument("--requests", type=int, default=3, help="requests per client at each level")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2, help="the server's torch threads")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every level and configuration")
+    parser.add_argument("--seed", type=int, default=0, help="of the shuffled configuration order")
+    parser.add_argument("--threads", type=int, default=2, help="each server's torch threads")
     args = parser.parse_args()
+    import random
+
     import openai
 
+    from lossless.stats import bootstrap_mean
+
+    configs = [c.strip() for c in args.configs.split(";")] if args.configs else [args.serve_args]
     prompts = [json.loads(line)["prompt"] for line in (ROOT / "data" / "heldout_prompts.jsonl").read_text().splitlines()
                if line.strip()]
     levels = [int(c) for c in args.clients.split(",")]
     prompts = prompts[: max(levels) * args.requests]
-    port = free_port()
-    with tempfile.NamedTemporaryFile("w", prefix="serve-load-", suffix=".log", delete=False) as log:
-        proc = start_server(args, port, log)
+    servers, clients, names = [], [], []
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
-        card = client.models.list().data[0]
-        model = card.id
-        for prompt in prompts[:2]:  # warm-up: kernels, caches, the first requests' one-off costs
-            one_request(client, model, prompt, args.max_tokens)
-        rows = [run_level(client, model, prompts, c, args.requests, args.max_tokens) for c in levels]
+        for serve_args in configs:
+            port = free_port()
+            with tempfile.NamedTemporaryFile("w", prefix="serve-load-", suffix=".log", delete=False) as log:
+                servers.append(start_server(args, port, log, serve_args))
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                                   timeout=600)
+            card = client.models.list().data[0]
+            clients.append(client)
+            names.append(card.id)
+            for prompt in prompts[:2]:  # warm-up: kernels, caches, the first requests' one-off costs
+                one_request(client, card.id, prompt, args.max_tokens)
+        runs = {(i, c): [] for i in range(len(configs)) for c in levels}
+        order = random.Random(args.seed)
+        for _ in range(args.repeats):
+            for c in levels:
+                for i in order.sample(range(len(configs)), len(configs)):
+                    runs[(i, c)].append(run_level(clients[i], names[i], prompts, c, args.requests, args.max_tokens))
     finally:
-        proc.terminate()
-        proc.wait(30)
+        for proc in servers:
+            proc.terminate()
+            proc.wait(30)
     config = card.model_extra.get("lossless", {})
     from lossless.decoding import kernels
 
     cpu = f"{kernels.cpu_model()}, {kernels.isa()} kernels"
-    print(f"lossless serve, {model} ({config.get('dtype')} {config.get('attn')}), {args.serve_args or 'defaults'}; "
-          f"{args.requests} requests per client, {args.max_tokens} tokens each, {args.threads} threads, "
-          f"{cpu}")
-    print(f"{'clients':>7} {'requests':>8} {'tokens/s':>9} {'latency med':>11} {'p90':>7} {'ttft med':>8} {'p90':>7} "
-          f"{'tok/cycle':>9}")
-    for r in rows:
-        print(f"{r['clients']:>7} {r['requests']:>8} {r['tokens_per_second']:>9.1f} {r['latency_median']:>11.2f} "
-              f"{r['latency_p90']:>7.2f} {r['ttft_median']:>8.2f} {r['ttft_p90']:>7.2f} "
-              f"{r['tokens_per_cycle'] if r['tokens_per_cycle'] is not None else '-':>9}")
-    print(json.dumps({"benchmark": "serve_load", "model": model, "config": config, "serve_args": args.serve_args,
-                      "threads": args.threads, "max_tokens": args.max_tokens, "cpu": cpu, "levels": rows}))
+    print(f"lossless serve, {names[0]} ({config.get('dtype')} {config.get('attn')}); {args.requests} requests per "
+          f"client, {args.max_tokens} tokens each, {args.threads} threads, {args.repeats} repeat(s) (medians), {cpu}")
+    print(f"{'configuration':<16} {'clients':>7} {'tokens/s':>9} {'vs first [95% CI]':>22} {'latency med':>11} "
+          f"{'p90':>7} {'ttft med':>8} {'p90':>7} {'tok/cycle':>9}")
+    table = []
+    for i, serve_args in enumerate(configs):
+        for c in levels:
+            row = {"serve_args": serve_args, **median_row(runs[(i, c)])}
+            ratio = bootstrap_mean([a["tokens_per_second"] / b["tokens_per_second"]
+                                    for a, b in zip(runs[(i, c)], runs[(0, c)])]) if i else None
+            row["tokens_per_second_vs_first"] = ratio
+            table.append(row)
+            vs = f"{ratio['mean']:.2f}x [{ratio['ci95'][0]:.2f}, {ratio['ci95'][1]:.2f}]" if ratio else "1.00x"
+            print(f"{serve_args or 'defaults':<16} {c:>7} {row['tokens_per_second']:>9.1f} {vs:>22} "
+                  f"{row['latency_median']:>11.2f} {row['latency_p90']:>7.2f} {row['ttft_median']:>8.2f} "
+                  f"{row['ttft_p90']:>7.2f} {row['tokens_per_cycle'] if row['tokens_per_cycle'] is not None else '-':>9}")
+    print(json.dumps({"benchmark": "serve_load", "model": names[0], "config": config, "configs": configs,
+                      "threads": args.threads, "max_tokens": args.max_tokens, "repeats": args.repeats, "cpu": cpu,
+                      "levels": table}))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .errors import LosslessError
-from .names import (ATTN_KERNELS, AUTO, CYCLES, DEFAULT_LOOKUP, DEFAULT_TREE, DTYPE_NAMES, EXACT, MODES, check_cycle,
-                    check_tree)
+from .names import (ATTN_KERNELS, AUTO, CYCLES, DEFAULT_BATCH, DEFAULT_LOOKUP, DEFAULT_TREE, DTYPE_NAMES, EXACT, MODES,
+                    check_cycle, check_tree)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -487,7 +487,7 @@ def cmd_serve(args) -> int:
 
     from .serving import Defaults, create_app
 
-    if args.batch > 1 and args.attn not in (AUTO, EXACT):
+    if args.batch is not None and args.batch > 1 and args.attn not in (AUTO, EXACT):
         raise LosslessError(f"--batch {args.batch} needs exact kernels (a request's tokens must not depend on its "
                             f"neighbours): serve with --attn exact, or --batch 1")
     _check_bindable(args.host, args.port)  # before minutes of loading
@@ -501,13 +501,16 @@ def cmd_serve(args) -> int:
     defaults = Defaults(mode=args.mode, k=args.k, cycle=args.cycle, groups=args.groups, tree=args.tree,
                         lookup=args.lookup, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed, max_tokens=min(args.max_tokens, model.max_positions - 1))
-    if args.batch > 1 and model.attn != EXACT:  # --attn auto chose stock kernels on this device
+    if args.batch is not None and args.batch > 1 and model.attn != EXACT:  # --attn auto chose stock kernels here
         raise LosslessError(f"--batch {args.batch} needs exact kernels, which this device has not: --batch 1")
+    batch = args.batch if args.batch is not None else DEFAULT_BATCH if model.attn == EXACT else 1
     app = create_app(model, defaults, model_name=args.served_model_name, api_key=key, max_queue=args.max_queue,
-                     max_body=args.max_body, batch=args.batch)
+                     max_body=args.max_body, batch=batch)
     logging.getLogger("lossless.serve").info(
-        "serving %s (%s %s, head %s) on http://%s:%d/v1%s", args.served_model_name or model.name, model.dtype_name,
-        model.attn, model.head_digest[:12], args.host, args.port, " (API key required)" if key else "")
+        "serving %s (%s %s, head %s, %s) on http://%s:%d/v1%s", args.served_model_name or model.name,
+        model.dtype_name, model.attn, model.head_digest[:12],
+        f"up to {batch} requests decoding together" if batch > 1 else "one request at a time", args.host, args.port,
+        " (API key required)" if key else "")
     engine = app.state.engine
 
     class Server(uvicorn.Server):
@@ -576,10 +579,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the most tokens a request may generate (also its default, where the context has room)")
     sv.add_argument("--max-body", type=_number(int, "--max-body", at_least=1024), default=1 << 20,
                     help="the largest request body in bytes (413 past it)")
-    sv.add_argument("--batch", type=_number(int, "--batch", at_least=1), default=1,
-                    help="decode up to this many requests together, one forward per step (exact kernels; each "
-                         "request's tokens are the ones it gets alone; AR steps with prompt lookup when greedy); "
-                         "1 = one at a time, each in the configuration it asks for")
+    sv.add_argument("--batch", type=_number(int, "--batch", at_least=1), default=None,
+                    help=f"decode up to this many requests together, one forward per step (exact kernels; each "
+                         f"request's tokens are the ones it gets alone; AR steps, with prompt lookup when greedy; a "
+                         f"greedy request alone decodes in its own cycle); 1 = one at a time, each in the "
+                         f"configuration it asks for (default: {DEFAULT_BATCH} with exact kernels, else 1)")
     sv.add_argument("--mode", default="orthrus", choices=MODES, help="default decoding mode of a request")
     sv.add_argument("--k", type=_number(int, "--k", at_least=1), default=None, help="default block size (default: the head's k)")
     _add_cycle_args(sv)

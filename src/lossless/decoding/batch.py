@@ -113,6 +113,7 @@ class BatchDecoder:
     def active(self) -> list[Sequence]:
         return [s for s in self.sequences if s.finished is None]
 
+    @torch.no_grad()
     def step(self) -> list[Sequence]:
         """One forward over every active sequence's rows: commit each one's new tokens (calling its `on_tokens`).
         Returns the sequences that finished in it (or before it, e.g. by `finish`), which leave the batch."""

@@ -10,7 +10,10 @@ With `batch` 1 jobs decode one at a time, each in the configuration it asked for
 joins at the next step after it arrives and leaves at the step it ends, and its tokens are bitwise the ones it
 gets alone. A batch runs AR steps, greedy ones with prompt lookup (the draft view's passes decode one sequence
 at a time): greedy tokens are the same as any lossless configuration's on exact kernels; sampled ones are
-`--mode ar`'s with the same seed. It does not know HTTP; `app.py` turns jobs into responses.
+`--mode ar`'s with the same seed. A greedy job that finds nothing else decoding or waiting decodes alone in the
+configuration it asked for (the fastest lossless one by default): with one client a batch's AR steps would be
+slower than speculation, and its tokens are the same either way. It does not know HTTP; `app.py` turns jobs
+into responses.
 """
 
 from __future__ import annotations
@@ -164,11 +167,15 @@ class Engine:
 
     def _run(self) -> None:
         while (job := self._take(block=True)) is not None:
-            try:
-                result = self._decode(job)
-            except Exception as exc:  # a request's failure is its own; the next one decodes
-                result = _failed(exc)
-            self._done(job, result)
+            self._done(job, self._guarded(self._decode, job))
+
+    @staticmethod
+    def _guarded(decode, job: Job):
+        """decode(job)'s result, or its exception: a request's failure is its own; the next one decodes."""
+        try:
+            return decode(job)
+        except Exception as exc:
+            return _failed(exc)
 
     def _run_batched(self) -> None:
         from ..decoding.batch import BatchDecoder
@@ -183,6 +190,11 @@ class Engine:
                     return self._abandon(live)
                 if job is False:
                     break
+                if not live and self._queue.empty() and job.settings.get("temperature", 0.0) == 0:
+                    # alone: a greedy job decodes in its own fastest cycle (the same tokens on exact kernels);
+                    # jobs that arrive meanwhile wait for it, then decode together
+                    self._done(job, self._guarded(self._decode, job))
+                    continue
                 try:
                     entry = _Live(job, self.model.tokenizer)
                     seq = decoder.add(job.prompt_ids, batch_config(job.settings), on_tokens=entry.on_tokens)
