@@ -141,7 +141,7 @@ def main() -> None:
                if line.strip()]
     levels = [int(c) for c in args.clients.split(",")]
     prompts = prompts[: max(levels) * args.requests]
-    servers, clients, names = [], [], []
+    servers, clients, names, cards = [], [], [], []
     try:
         for serve_args in configs:
             port = free_port()
@@ -150,6 +150,7 @@ def main() -> None:
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
                                    timeout=600)
             card = client.models.list().data[0]
+            cards.append(card)
             clients.append(client)
             names.append(card.id)
             for prompt in prompts[:2]:  # warm-up: kernels, caches, the first requests' one-off costs
@@ -164,7 +165,7 @@ def main() -> None:
         for proc in servers:
             proc.terminate()
             proc.wait(30)
-    config = card.model_extra.get("lossless", {})
+    config = cards[0].model_extra.get("lossless", {})
     from lossless.decoding import kernels
 
     cpu = f"{kernels.cpu_model()}, {kernels.isa()} kernels"
@@ -180,7 +181,8 @@ def main() -> None:
                                     for a, b in zip(runs[(i, c)], runs[(0, c)])]) if i else None
             row["tokens_per_second_vs_first"] = ratio
             table.append(row)
-            vs = f"{ratio['mean']:.2f}x [{ratio['ci95'][0]:.2f}, {ratio['ci95'][1]:.2f}]" if ratio else "1.00x"
+            vs = ("1.00x" if not ratio else f"{ratio['mean']:.2f}x" if args.repeats < 2 else
+                  f"{ratio['mean']:.2f}x [{ratio['ci95'][0]:.2f}, {ratio['ci95'][1]:.2f}]")
             print(f"{serve_args or 'defaults':<16} {c:>7} {row['tokens_per_second']:>9.1f} {vs:>22} "
                   f"{row['latency_median']:>11.2f} {row['latency_p90']:>7.2f} {row['ttft_median']:>8.2f} "
                   f"{row['ttft_p90']:>7.2f} {row['tokens_per_cycle'] if row['tokens_per_cycle'] is not None else '-':>9}")

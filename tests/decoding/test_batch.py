@@ -130,3 +130,26 @@ def test_batching_refuses_stock_kernels_and_what_a_batch_cannot_run():
         dec.add([1, 2], DecodeConfig(lookup=4, sampling=SamplingConfig(temperature=0.5)))
     with pytest.raises(LosslessError, match="context"):
         dec.add([1] * 250, DecodeConfig(max_new_tokens=10))
+
+
+@pytest.mark.parametrize("cut", [1, 5, 11])
+def test_a_greedy_decode_begun_alone_goes_on_in_a_batch_with_the_same_tokens(cut):
+    """A request's first tokens decoded alone in the speculative cycle, the rest in a batch beside another: the
+    tokens (and the logits of the batched ones) of AR alone."""
+    model = exact_model("qwen3", torch.bfloat16)
+    prompt, cfg = [3, 1, 4, 1, 5, 9, 2, 6], DecodeConfig(max_new_tokens=20, eos_ids=NO_EOS, lookup=4)
+    ref = alone(model, prompt, cfg)
+    begun = decode(model, prompt, "orthrus", dataclasses.replace(cfg, stop_after=cut))
+    assert begun.generated == ref.generated[: len(begun.generated)] and len(begun.generated) >= cut
+    forwards = begun.stats.forwards
+    dec = BatchDecoder(model)
+    other = dec.add([7, 7, 2], DecodeConfig(max_new_tokens=20, eos_ids=NO_EOS))
+    seq = dec.add(prompt, dataclasses.replace(cfg, record_margins=True), generated=begun.generated,
+                  stats=begun.stats)
+    while seq.finished is None or other.finished is None:
+        dec.step()
+    assert seq.state.generated == ref.generated and seq.finished == "length"
+    assert seq.state.margins == ref.margins[len(begun.generated):]
+    assert seq.state.stats.forwards > forwards and seq.state.stats.new_tokens == 20  # counting on
+    with pytest.raises(LosslessError, match="greedy"):
+        dec.add(prompt, DecodeConfig(sampling=SamplingConfig(temperature=0.5)), generated=[1])

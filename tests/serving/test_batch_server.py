@@ -5,11 +5,13 @@ greedy request that finds the server idle decodes alone in the default cycle."""
 
 from __future__ import annotations
 
+import json
 import threading
+import urllib.request
 
 import pytest
 
-from test_server import CONTEXT, PROMPT, SERVER_ARGS, _generate, _idle, _open_stream, _stream_chat, live_server, model_dir  # noqa: F401
+from test_server import CONTEXT, PROMPT, SERVER_ARGS, _generate, _idle, _stream_chat, live_server, model_dir  # noqa: F401
 from lossless.cli import main
 from lossless.names import DEFAULT_LOOKUP
 
@@ -70,21 +72,57 @@ def test_concurrent_requests_decode_together_and_each_gets_its_answer_alone(batc
     assert batched.metric("lossless_batch_size_count") > alone, "some steps decoded several requests together"
 
 
+def _stream(server, body: dict):
+    """A streamed completion over raw HTTP, returned once its first chunk arrived."""
+    req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 method="POST", headers={"Content-Type": "application/json"})
+    resp = urllib.request.urlopen(req, timeout=120)
+    first = resp.readline()
+    assert first.startswith(b"data: ")
+    return resp, first
+
+
+def _events(resp, first: bytes) -> list[dict]:
+    lines = [first.decode(), *resp.read().decode().splitlines()]
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
 def test_stop_strings_and_a_client_that_leaves_in_a_batch(batched, model_dir):  # noqa: F811
     client = batched.client()
     messages = [{"role": "user", "content": PROMPT}]
     full = client.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=16).choices[0]
     stop = " " + full.message.content.split()[5]
     want = full.message.content.split(stop)[0]
-    long = _open_stream(batched, {"Content-Type": "application/json"})  # a long decode that its client abandons
+    # a long sampled decode (sampled requests always decode in the batch) that its client abandons
+    # (a low temperature: the model never ends it with EOS, whose logit is 0)
+    before = batched.metric("lossless_generated_tokens_total")
+    long, _ = _stream(batched, {"prompt": PROMPT, "max_tokens": CONTEXT - 16, "temperature": 0.05, "seed": 3})
     cut = client.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=16, stop=stop)
     assert cut.choices[0].message.content == want and cut.model_extra["lossless"]["finish"] == "stop_string"
-    text, _ = _stream_chat(client, model=str(model_dir), messages=messages, max_tokens=16, stop=stop)
-    assert text == want
-    long.close()
+    assert cut.model_extra["lossless"]["batched"] is True  # beside the long decode
+    assert cut.usage.completion_tokens < 16  # its sequence left the batch at the stop string
+    text, chunks = _stream_chat(client, model=str(model_dir), messages=messages, max_tokens=16, stop=stop)
+    assert text == want and chunks[-1].model_extra["lossless"]["batched"] is True
+    long.close()  # leaves the batch mid-decode
     _idle(batched)
+    assert batched.metric("lossless_generated_tokens_total") - before < CONTEXT - 16 - 100  # the long one stopped
     again = client.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=16).choices[0]
     assert again.message.content == full.message.content
+
+
+def test_a_greedy_request_decoding_alone_joins_the_batch_when_another_comes(batched, model_dir, capsys):  # noqa: F811
+    n = 1500
+    want = _generate(capsys, model_dir, "--max-new-tokens", str(n), "--no-chat-template", PROMPT)
+    _idle(batched)
+    resp, first = _stream(batched, {"prompt": PROMPT, "max_tokens": n})  # alone: the default speculative cycle
+    other = batched.client().completions.create(model=str(model_dir), prompt=PROMPTS[1], max_tokens=8)
+    assert other.model_extra["lossless"]["batched"] is True
+    events = _events(resp, first)
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    ran = [e["lossless"] for e in events if e.get("lossless")][-1]
+    assert text == want["text"] and ran["finish"] == "length"
+    assert ran["batched"] is True and ran["alone_first"]["mode"] == "orthrus"
+    assert 0 < ran["alone_first"]["tokens"] < n
 
 
 def test_batch_needs_exact_kernels(model_dir, capsys):  # noqa: F811

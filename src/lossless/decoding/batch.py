@@ -35,7 +35,8 @@ import torch
 from ..errors import LosslessError
 from ..names import EXACT
 from .dualview import additive_mask
-from .loop import LOOKUP_ALONE, DecodeConfig, DecodeState, accept_greedy, commit, lookup_proposal, validate
+from .loop import (LOOKUP_ALONE, DecodeConfig, DecodeState, DecodeStats, accept_greedy, commit, lookup_proposal,
+                   validate)
 from .sampling import argmax, sample
 
 # Compaction copies every live row of the shared cache once; it runs when the rows nobody sees are more than the
@@ -93,8 +94,12 @@ class BatchDecoder:
         self.sequences: list[Sequence] = []
         self.compactions = 0
 
-    def add(self, prompt_ids: list[int], cfg: DecodeConfig, on_tokens=None) -> Sequence:
-        """A new sequence; it joins the next step (which runs its prompt beside the others' rows)."""
+    def add(self, prompt_ids: list[int], cfg: DecodeConfig, on_tokens=None, generated: list[int] = (),
+            stats: DecodeStats | None = None) -> Sequence:
+        """A new sequence; it joins the next step (which runs its prompt beside the others' rows). `generated`:
+        tokens a greedy decode of this request already committed elsewhere (alone, in another cycle); the sequence
+        goes on after them (its first step runs the prompt and them: the same keys, so the same next tokens), its
+        `stats` counting on from that decode's."""
         if not cfg.eos_ids:
             cfg = dataclasses.replace(cfg, eos_ids=tuple(self.model.eos_token_ids()))
         validate(self.model, prompt_ids, cfg, "ar")
@@ -103,9 +108,12 @@ class BatchDecoder:
         if cfg.tree or cfg.cycle != "two-pass":
             raise LosslessError("a batch runs AR steps (with prompt lookup, greedy): candidate trees and the fused "
                                 "cycle decode one sequence at a time")
-        seq = Sequence(state=DecodeState(tokens=list(prompt_ids), n_prompt=len(prompt_ids), cache=Slots()), cfg=cfg,
-                       generator=cfg.sampling.generator(self.model.device), on_tokens=on_tokens,
-                       pending=list(prompt_ids))
+        if generated and not cfg.sampling.greedy:
+            raise LosslessError("only a greedy decode continues in a batch: a sampled one would draw other samples")
+        tokens = [*prompt_ids, *generated]
+        state = DecodeState(tokens=list(tokens), n_prompt=len(prompt_ids), cache=Slots(), stats=stats or DecodeStats())
+        seq = Sequence(state=state, cfg=cfg, generator=cfg.sampling.generator(self.model.device), on_tokens=on_tokens,
+                       pending=list(tokens), started=time.perf_counter() - state.stats.seconds)
         self.sequences.append(seq)
         return seq
 

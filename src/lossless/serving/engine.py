@@ -11,9 +11,9 @@ joins at the next step after it arrives and leaves at the step it ends, and its 
 gets alone. A batch runs AR steps, greedy ones with prompt lookup (the draft view's passes decode one sequence
 at a time): greedy tokens are the same as any lossless configuration's on exact kernels; sampled ones are
 `--mode ar`'s with the same seed. A greedy job that finds nothing else decoding or waiting decodes alone in the
-configuration it asked for (the fastest lossless one by default): with one client a batch's AR steps would be
-slower than speculation, and its tokens are the same either way. It does not know HTTP; `app.py` turns jobs
-into responses.
+configuration it asked for (the fastest lossless one by default: with one client a batch's AR steps would be
+slower than speculation) until another job arrives; then it goes on in the batch after the tokens it has. Its
+tokens are the same either way. It does not know HTTP; `app.py` turns jobs into responses.
 """
 
 from __future__ import annotations
@@ -190,14 +190,22 @@ class Engine:
                     return self._abandon(live)
                 if job is False:
                     break
+                entry = _Live(job, self.model.tokenizer)
                 if not live and self._queue.empty() and job.settings.get("temperature", 0.0) == 0:
-                    # alone: a greedy job decodes in its own fastest cycle (the same tokens on exact kernels);
-                    # jobs that arrive meanwhile wait for it, then decode together
-                    self._done(job, self._guarded(self._decode, job))
-                    continue
+                    # alone: a greedy job decodes in its own fastest cycle until another job arrives, then goes on
+                    # in the batch after the tokens it has (the same tokens either way, on exact kernels)
+                    try:
+                        entry.alone = self._alone(entry)
+                    except Exception as exc:
+                        self._done(job, _failed(exc))
+                        continue
+                    if entry.alone.finish_reason != "stop" or entry.cutter.stopped or job.cancelled.is_set():
+                        self._done(job, self._guarded(lambda j: self._answer(j, entry.cutter, entry.alone,
+                                                                             entry.last), job))
+                        continue
                 try:
-                    entry = _Live(job, self.model.tokenizer)
-                    seq = decoder.add(job.prompt_ids, batch_config(job.settings), on_tokens=entry.on_tokens)
+                    seq = decoder.add(job.prompt_ids, batch_config(job.settings), on_tokens=entry.on_tokens,
+                                      **entry.handed_over())
                 except Exception as exc:
                     self._done(job, _failed(exc))
                     continue
@@ -225,6 +233,13 @@ class Engine:
                     result = _failed(exc)
                 self._done(entry.job, result)
 
+    def _alone(self, entry: "_Live"):
+        """A greedy job's decode in the configuration it asked for, stopped after the cycle in which another job
+        arrives (or its stop string, or its client leaving)."""
+        job = entry.job
+        return self.model.generate(job.prompt_ids, on_tokens=entry.on_tokens, **job.settings,
+                                   stop=lambda: entry.cutter.stopped or job.cancelled.is_set() or not self._queue.empty())
+
     def _abandon(self, live: dict) -> None:
         """Shutdown: `stop` has cancelled and told every running job already."""
         with self._lock:
@@ -239,6 +254,9 @@ class Engine:
         text = model.tokenizer.decode(state.generated, skip_special_tokens=True) if model.tokenizer is not None else ""
         config = {"dtype": model.dtype_name, "attn": model.attn, "exact": True, "mode": "ar", "cycle": None, "k": None,
                   "tree": 0, "lookup": entry.lookup, "batched": True}
+        if entry.alone is not None:  # its first tokens decoded alone, before another request came
+            config["alone_first"] = {"tokens": len(entry.alone.token_ids),
+                                     **{k: entry.alone.config.get(k) for k in ("mode", "cycle", "k", "tree", "lookup")}}
         out = GenerationOutput(text=text, token_ids=state.generated, stats=state.stats.to_dict(),
                                prompt_ids=state.tokens[:state.n_prompt], finish_reason=state.finished, config=config)
         return self._answer(entry.job, entry.cutter, out, entry.last)
@@ -314,6 +332,18 @@ class _Live:
     def __init__(self, job: Job, tokenizer):
         self.job, self.cutter, self.last, self.lookup = job, StopCutter(job.stops), [job.arrived, 0], 0
         self.stream = StreamDecoder(tokenizer) if tokenizer is not None else None
+        self.alone = None  # the GenerationOutput of its decode alone, where it began so
+
+    def handed_over(self) -> dict:
+        """`BatchDecoder.add`'s arguments that continue its decode alone (none where it did not begin so)."""
+        if self.alone is None:
+            return {}
+        from ..decoding.loop import DecodeStats
+
+        s = self.alone.stats
+        return {"generated": list(self.alone.token_ids),
+                "stats": DecodeStats(steps=s["steps"], forwards=s["forwards"], new_tokens=s["new_tokens"],
+                                     seconds=s["seconds"], accepted=list(s["accepted"]))}
 
     def on_tokens(self, ids: list[int]) -> None:
         _note_tokens(self.job, self.last, ids)
