@@ -34,8 +34,8 @@ def check_cycle(cycle: str) -> str:
 DEFAULT_TREE = 8
 # tokens of the lookup branch that `--lookup` without a number and the `orthrus-lookup` candidate use
 DEFAULT_LOOKUP = 16
-# requests `lossless serve` decodes together on exact kernels: with 8 clients, 2.66x the tokens/s of one at a
-# time, and 2.06x at --batch 4 (machine A, results/serving/serve_load_bf16_exact_batch_machine_a.txt)
+# requests `lossless serve` decodes together on exact kernels: with 8 clients, 2.76x the tokens/s of one at a
+# time, and 2.11x at --batch 4 (machine A, results/serving/serve_load_bf16_exact_batch_machine_a.txt)
 DEFAULT_BATCH = 8
 
 
