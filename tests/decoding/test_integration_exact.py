@@ -67,7 +67,9 @@ def test_exact_bits_belong_to_the_model_not_the_variant_or_thread_count(dtype, e
             torch.set_num_threads(threads)
             with kernels.use_isa(isa):
                 assert golden.fingerprint(model, ids, 4) == want, (isa, threads)  # logits, bit for bit
-                if threads == 1 + i // 3 % 3:  # each variant decodes every cycle, at one of the thread counts
+                # each variant decodes every cycle at 1 or 2 threads (3 threads, more than a 2-core machine's cores,
+                # spin their barriers against each other for seconds a forward: there the logits above suffice)
+                if threads == 1 + i // 3 % 2:
                     for name, extra in CYCLES.items():
                         got = decode(model, ids, "orthrus", dataclasses.replace(cfg, **extra)).generated
                         assert got == ar, (isa, threads, name)
