@@ -329,7 +329,9 @@ def test_metrics_and_the_access_log(server):
 
 
 def test_the_api_key_guards_every_route_but_health_and_a_full_queue_answers_429(model_dir):
-    with live_server(model_dir, "--max-queue", "2", env={"LOSSLESS_API_KEY": "sesame"}, stop=signal.SIGTERM) as s:
+    # one request at a time, so the queue holds what the test puts there (test_batch_server.py covers batches)
+    with live_server(model_dir, "--max-queue", "2", "--batch", "1", env={"LOSSLESS_API_KEY": "sesame"},
+                     stop=signal.SIGTERM) as s:
         assert s.get("/health")[0] == 200
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
             status, answer = s.get("/v1/models", headers)
