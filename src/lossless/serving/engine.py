@@ -233,12 +233,13 @@ class Engine:
                     result = _failed(exc)
                 self._done(entry.job, result)
 
-    def _alone(self, entry: "_Live"):
-        """A greedy job's decode in the configuration it asked for, stopped after the cycle in which another job
-        arrives (or its stop string, or its client leaving)."""
+    def _alone(self, entry: "_Live", handing_over: bool = True):
+        """A job's decode in the configuration it asked for, stopped after a cycle in which its stop string appeared
+        or its client left, or (`handing_over`) another job arrived."""
         job = entry.job
         return self.model.generate(job.prompt_ids, on_tokens=entry.on_tokens, **job.settings,
-                                   stop=lambda: entry.cutter.stopped or job.cancelled.is_set() or not self._queue.empty())
+                                   stop=lambda: entry.cutter.stopped or job.cancelled.is_set()
+                                   or (handing_over and not self._queue.empty()))
 
     def _abandon(self, live: dict) -> None:
         """Shutdown: `stop` has cancelled and told every running job already."""
@@ -262,20 +263,8 @@ class Engine:
         return self._answer(entry.job, entry.cutter, out, entry.last)
 
     def _decode(self, job: Job) -> Result:
-        cutter = StopCutter(job.stops)
-        last = [job.arrived, 0]  # time and count of the latest committed tokens
-
-        def on_tokens(ids):
-            _note_tokens(job, last, ids)
-
-        def on_text(delta):
-            piece = cutter.push(delta)
-            if piece:
-                job.emit("text", piece)
-
-        out = self.model.generate(job.prompt_ids, on_text=on_text, on_tokens=on_tokens,
-                                  stop=lambda: cutter.stopped or job.cancelled.is_set(), **job.settings)
-        return self._answer(job, cutter, out, last)
+        entry = _Live(job, self.model.tokenizer)
+        return self._answer(job, entry.cutter, self._alone(entry, handing_over=False), entry.last)
 
     def _answer(self, job: Job, cutter: StopCutter, out, last) -> Result:
         """The job's result from its decode's output: the text cut at the stop strings, exactly what was streamed."""
