@@ -569,19 +569,22 @@ def test_a_training_log_in_a_folder_not_yet_made_is_written(d, tmp_path, capsys)
 
 
 def test_processes_of_one_launch_check_one_new_folder_at_once(tmp_path):
-    """Ranks of `accelerate launch` check the same --out together: one's folder, made or removed between the
-    other's steps, is no refusal. In memory (/dev/shm) where there is one, so that the checks are quick enough
+    """Ranks of `accelerate launch` check, make and lock in the same --out together: one's folder, made or
+    removed between the other's steps, is no refusal. In memory (/dev/shm) where there is one, so that the checks are quick enough
     to meet."""
     import tempfile
 
     shm = Path("/dev/shm")
     tmp_path = Path(tempfile.mkdtemp(dir=shm)) if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path
     go = tmp_path / "go"
-    code = ("import sys, time; from pathlib import Path; from lossless.paths import check_writable_dir\n"
-            "root = Path(sys.argv[1])\n"
+    code = ("import os, sys, time; from pathlib import Path\n"
+            "from lossless.paths import check_writable_dir, exclusive_lock, make_dir\n"
+            "root = Path(sys.argv[1]); out = root / 'new' / 'out'\n"
             "while not (root / 'go').exists(): time.sleep(0.001)\n"
             "end = time.monotonic() + 2\n"
-            "while time.monotonic() < end: check_writable_dir(root / 'new' / 'out')\n")
+            "while time.monotonic() < end:\n"
+            "    check_writable_dir(out); make_dir(out)  # what an audit's rank does before its lock\n"
+            "    with exclusive_lock(out / f'.lock-{os.getpid()}', 'busy {pid}'): pass\n")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stderr=subprocess.PIPE, text=True)
              for _ in range(3)]
     time.sleep(3)  # every process imported and waiting
@@ -590,3 +593,33 @@ def test_processes_of_one_launch_check_one_new_folder_at_once(tmp_path):
     if tmp_path.parent == shm:
         shutil.rmtree(tmp_path, ignore_errors=True)
     assert [p.returncode for p in procs] == [0, 0, 0], errors
+
+
+def test_a_folder_another_rank_makes_and_removes_meanwhile_is_made_afresh(tmp_path, monkeypatch):
+    """A rank making --out while another checks it: mkdir finds the folder there, and gone when it looks.
+    Made afresh, and the lock taken in it; a file in its place is still refused."""
+    from lossless.paths import exclusive_lock, make_dir
+
+    target = tmp_path / "new" / "out"
+    real = os.mkdir
+    raced = []
+
+    def racing(path, mode=0o777):
+        if Path(path) == target and len(raced) < 3:  # another process's check made it and removed it again
+            raced.append(path)
+            raise FileExistsError(errno.EEXIST, "File exists", str(path))
+        return real(path, mode)
+
+    monkeypatch.setattr(os, "mkdir", racing)
+    assert make_dir(target) == target and target.is_dir() and len(raced) == 3
+    target.rmdir()
+    raced.clear()
+    with exclusive_lock(target / ".lock", "busy {pid}") as lock:
+        assert lock.is_file() and len(raced) == 3
+    monkeypatch.setattr(os, "mkdir", real)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError):
+        make_dir(tmp_path / "file")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(FileExistsError):
+        make_dir(tmp_path / "dangling")

@@ -113,6 +113,21 @@ def _probe(path: Path, missing: list[Path]) -> None:
                 d.rmdir()
 
 
+def make_dir(path: str | Path) -> Path:
+    """`path.mkdir(parents=True, exist_ok=True)` that also stands the processes of one launch checking the
+    same new folder (`check_writable_dir` makes and removes it): a folder made and removed again between
+    mkdir's steps is made afresh. A file in its place is still an error."""
+    path = Path(path)
+    for attempt in range(1000):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            return path
+        except FileExistsError:  # it was there when mkdir tried, and gone (or a file) when mkdir looked
+            if attempt == 999 or path.is_symlink() or (path.exists() and not path.is_dir()):
+                raise
+    return path
+
+
 def write_atomically(path: str | Path, data: str | bytes) -> Path:
     """`jsonio.atomic_write` (which leaves no temporary file when it fails), with a failure's error naming
     `path` rather than the temporary file."""
@@ -137,7 +152,7 @@ def exclusive_lock(path: str | Path, busy: str):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except FileNotFoundError:  # its folder went meanwhile (another process of one launch checking it: see
-            path.parent.mkdir(parents=True, exist_ok=True)  # check_writable_dir); once the lock is in, it stays
+            make_dir(path.parent)  # check_writable_dir); once the lock is in, it stays
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -48,7 +48,7 @@ from ..decoding.loop import DecodeConfig, decode
 from ..dtypes import dtype_name
 from ..errors import LosslessError, not_utf8
 from ..names import ATTN_KERNELS, EXACT, positive_int
-from ..paths import check_writable_dir, exclusive_lock, write_atomically
+from ..paths import check_writable_dir, exclusive_lock, make_dir, write_atomically
 from ..decoding.model import OrthrusLM
 from .records import RecordStore, read_records, record_id, writer_name
 from ..stats import first_divergence, levenshtein
@@ -479,7 +479,7 @@ def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, comma
     run_dir = Path(out)
     check_same_run(run_dir, cfg)  # an unreadable run.json or another configuration: refused before any work
     check_writable_dir(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(run_dir)  # the other ranks may be checking it (making and removing it) meanwhile
     writer = writer_name(shard_t)
     lock = run_dir / (LOCK_FILE if shard_t[1] == 1 else f"{LOCK_FILE}-{writer}")
     what = run_dir if shard_t[1] == 1 else f"shard {shard_t[0]}/{shard_t[1]} of {run_dir}"
