@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .errors import LosslessError
 from .names import (ATTN_KERNELS, AUTO, CYCLES, DEFAULT_BATCH, DEFAULT_LOOKUP, DEFAULT_TREE, DTYPE_NAMES, EXACT, MODES,
-                    check_cycle, check_tree)
+                    PREFILL_CHUNK, check_cycle, check_tree)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -505,7 +505,7 @@ def cmd_serve(args) -> int:
         raise LosslessError(f"--batch {args.batch} needs exact kernels, which this device has not: --batch 1")
     batch = args.batch if args.batch is not None else DEFAULT_BATCH if model.attn == EXACT else 1
     app = create_app(model, defaults, model_name=args.served_model_name, api_key=key, max_queue=args.max_queue,
-                     max_body=args.max_body, batch=batch)
+                     max_body=args.max_body, batch=batch, prefill_chunk=args.prefill_chunk)
     logging.getLogger("lossless.serve").info(
         "serving %s (%s %s, head %s, %s) on http://%s:%d/v1%s", args.served_model_name or model.name,
         model.dtype_name, model.attn, model.head_digest[:12],
@@ -584,6 +584,9 @@ def build_parser() -> argparse.ArgumentParser:
                          f"request's tokens are the ones it gets alone; AR steps, with prompt lookup when greedy; a "
                          f"greedy request alone decodes in its own cycle); 1 = one at a time, each in the "
                          f"configuration it asks for (default: {DEFAULT_BATCH} with exact kernels, else 1)")
+    sv.add_argument("--prefill-chunk", type=_number(int, "--prefill-chunk", at_least=1), default=None, metavar="ROWS",
+                    help=f"with --batch > 1: the most prompt rows one step runs beside the decoding requests, so a "
+                         f"long prompt joins in chunks instead of stalling them (default: {PREFILL_CHUNK})")
     sv.add_argument("--mode", default="orthrus", choices=MODES, help="default decoding mode of a request")
     sv.add_argument("--k", type=_number(int, "--k", at_least=1), default=None, help="default block size (default: the head's k)")
     _add_cycle_args(sv)

@@ -37,6 +37,12 @@ DEFAULT_LOOKUP = 16
 # requests `lossless serve` decodes together on exact kernels: with 8 clients, 2.76x the tokens/s of one at a
 # time, and 2.11x at --batch 4 (machine A, results/serving/serve_load_bf16_exact_batch_machine_a.txt)
 DEFAULT_BATCH = 8
+# prompt rows one batched step runs beside the decoding sequences (`lossless serve --prefill-chunk`): a joining
+# prompt runs in chunks of this many, so that a long one does not stall the others' tokens for its whole prefill
+# (the rows of a chunk see the keys the earlier chunks wrote: the same keys, so the same bits, as one forward).
+# A 1,500-token prompt joining 7 decoding requests: their longest gap 0.23 s instead of 1.99 s, its own first
+# token 1.05x later; 64 rows: 0.16 s and 1.25x (machine A, results/serving/batch_prefill_bf16_exact_machine_a.txt)
+PREFILL_CHUNK = 128
 
 
 def check_tree(tree: int, cycle: str, greedy: bool, lookup: int = 0) -> None:

@@ -34,10 +34,10 @@ def alone(model, prompt, cfg):
     return decode(model, prompt, "ar", dataclasses.replace(cfg, record_margins=True))
 
 
-def run_batch(model, requests, joins, compact_at=None):
+def run_batch(model, requests, joins, compact_at=None, prefill_chunk=batching.PREFILL_CHUNK):
     """Decode `requests` [(prompt, cfg)] in one batch, request i joining before step joins[i]; returns their
     finished sequences in request order."""
-    dec = BatchDecoder(model)
+    dec = BatchDecoder(model, prefill_chunk=prefill_chunk)
     seqs, step = [None] * len(requests), 0
     order = sorted(range(len(requests)), key=lambda i: joins[i])
     while any(s is None or s.finished is None for s in seqs):
@@ -75,9 +75,36 @@ def test_each_sequence_of_a_batch_equals_its_decode_alone(family, dtype, data):
         requests.append((prompt, cfg))
         joins.append(data.draw(st.integers(0, 12), label=f"join{i}"))
     compact_at = data.draw(st.one_of(st.none(), st.integers(0, 12)), label="compact at")
-    seqs, _ = run_batch(model, requests, joins, compact_at)
+    prefill_chunk = data.draw(st.sampled_from([batching.PREFILL_CHUNK, 1, 3, 16]), label="prefill rows")  # chunks
+    seqs, _ = run_batch(model, requests, joins, compact_at, prefill_chunk)
     for seq, (prompt, cfg) in zip(seqs, requests):
         assert_same(seq, alone(model, prompt, cfg))
+
+
+def test_a_long_prompt_joins_in_chunks_while_the_others_go_on_decoding():
+    """A step runs at most prefill_chunk prompt rows: the decoding sequence gets a token at every step of the long
+    prompt's prefill, two joining prompts share each step's rows in the order they came, and every sequence still
+    gets its tokens alone."""
+    model = exact_model("llama", torch.bfloat16)
+    cfg = DecodeConfig(max_new_tokens=30, eos_ids=NO_EOS, record_margins=True)
+    dec = BatchDecoder(model, prefill_chunk=16)
+    running = dec.add([5, 3, 8], cfg)
+    dec.step()
+    long, short = list(range(1, 51)), [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8]  # 50 and 20 rows
+    first, second = dec.add(long, cfg), dec.add(short, cfg)
+    seen = []
+    for _ in range(5):  # 16 rows a step: the long one's 50 rows take 4 steps, the short one's 20 start in its 4th
+        before = len(running.state.generated)
+        dec.step()
+        assert len(running.state.generated) == before + 1
+        seen.append((len(first.state.generated), len(second.state.generated), len(first.pending), len(second.pending)))
+    assert seen == [(0, 0, 34, 20), (0, 0, 18, 20), (0, 0, 2, 20), (1, 0, 1, 6), (2, 1, 1, 1)]
+    while dec.active:
+        dec.step()
+    for seq, prompt in ((running, [5, 3, 8]), (first, long), (second, short)):
+        assert_same(seq, alone(model, prompt, cfg))
+    with pytest.raises(LosslessError, match="prefill_chunk"):
+        BatchDecoder(model, prefill_chunk=0)
 
 
 def test_a_batch_stops_each_sequence_at_its_eos_and_its_length():
@@ -142,7 +169,7 @@ def test_a_greedy_decode_begun_alone_goes_on_in_a_batch_with_the_same_tokens(cut
     begun = decode(model, prompt, "orthrus", dataclasses.replace(cfg, stop_after=cut))
     assert begun.generated == ref.generated[: len(begun.generated)] and len(begun.generated) >= cut
     forwards = begun.stats.forwards
-    dec = BatchDecoder(model)
+    dec = BatchDecoder(model, prefill_chunk=5)  # its prompt and first tokens run in chunks
     other = dec.add([7, 7, 2], DecodeConfig(max_new_tokens=20, eos_ids=NO_EOS))
     seq = dec.add(prompt, dataclasses.replace(cfg, record_margins=True), generated=begun.generated,
                   stats=begun.stats)

@@ -1,7 +1,7 @@
 """`lossless serve --batch N`, live: concurrent requests decode together, one forward per step, and each gets the
 answer it gets alone (greedy: `lossless generate`'s in any mode, exact kernels; sampled: `--mode ar`'s with the same
-seed), streamed or not, cut at its stop strings; a client that goes away leaves the batch and the others finish; a
-greedy request that finds the server idle decodes alone in the default cycle."""
+seed), streamed or not, its prompt joining in chunks, cut at its stop strings; a client that goes away leaves the
+batch and the others finish; a greedy request that finds the server idle decodes alone in the default cycle."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ PROMPTS = [PROMPT, "w2 w7 w7 w1 w30", "w11 w12 w13 w11 w12 w13 w11 w12", "w40"]
 
 @pytest.fixture(scope="module")
 def batched(model_dir):  # noqa: F811
-    with live_server(model_dir, "--batch", "4", "--max-tokens", str(CONTEXT)) as s:
+    # prompts join in chunks of 8 rows (each chat-templated prompt is longer), beside the others' steps
+    with live_server(model_dir, "--batch", "4", "--prefill-chunk", "8", "--max-tokens", str(CONTEXT)) as s:
         yield s
 
 
@@ -125,7 +126,9 @@ def test_a_greedy_request_decoding_alone_joins_the_batch_when_another_comes(batc
     assert 0 < ran["alone_first"]["tokens"] < n
 
 
-def test_batch_needs_exact_kernels(model_dir, capsys):  # noqa: F811
-    rc = main(["serve", "--model", str(model_dir), "--attn", "sdpa", "--batch", "2"])
-    captured = capsys.readouterr()
-    assert rc == 2 and "--batch 2 needs exact kernels" in captured.err and len(captured.err.strip().splitlines()) == 1
+def test_batch_needs_exact_kernels_and_a_prefill_chunk_of_a_row_or_more(model_dir, capsys):  # noqa: F811
+    for argv, says in ((["--attn", "sdpa", "--batch", "2"], "--batch 2 needs exact kernels"),
+                       (["--prefill-chunk", "0"], "--prefill-chunk")):
+        rc = main(["serve", "--model", str(model_dir), *argv])
+        captured = capsys.readouterr()
+        assert rc == 2 and says in captured.err and len(captured.err.strip().splitlines()) == 1, captured.err

@@ -10,6 +10,10 @@ forward, nothing else. Its positions are its own sequence's (0, 1, ... from its 
 layer-stack call over the rows of every sequence: the weights are read once per step for all of them, which
 is what makes a step of B sequences cost far less than B steps on a memory-bound CPU.
 
+A joining sequence's prompt runs in chunks of at most `prefill_chunk` rows a step (over all joining sequences),
+beside the others' steps, so that a long prompt delays their next tokens by a chunk's cost, not its whole
+prefill's; it makes its first choice at the step that runs its prompt's last row.
+
 A sequence's keys are where its rows landed (`Slots`: their positions in the shared cache). Tokens the decode
 loop does not keep (drafts a verify rejected) and sequences that ended leave rows nobody sees; `compact` copies
 the live rows into a new cache, in order, once the dead ones outnumber them.
@@ -33,7 +37,7 @@ from typing import Callable
 import torch
 
 from ..errors import LosslessError
-from ..names import EXACT
+from ..names import EXACT, PREFILL_CHUNK
 from .dualview import additive_mask
 from .loop import (LOOKUP_ALONE, DecodeConfig, DecodeState, DecodeStats, accept_greedy, commit, lookup_proposal,
                    validate)
@@ -85,11 +89,13 @@ class Sequence:
 class BatchDecoder:
     """Sequences of one exact-mode model decoding together: `add` a request, `step` until it is `finished`."""
 
-    def __init__(self, model):
+    def __init__(self, model, prefill_chunk: int = PREFILL_CHUNK):
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise LosslessError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         if getattr(model, "attn", None) != EXACT:
             raise LosslessError("batched decoding needs exact kernels (each sequence's tokens must not depend on its "
                                 f"neighbours): load the model with attn='exact' (got {getattr(model, 'attn', None)!r})")
-        self.model = model
+        self.model, self.prefill_chunk = model, prefill_chunk
         self.cache = model.new_cache()
         self.sequences: list[Sequence] = []
         self.compactions = 0
@@ -126,17 +132,29 @@ class BatchDecoder:
         """One forward over every active sequence's rows: commit each one's new tokens (calling its `on_tokens`).
         Returns the sequences that finished in it (or before it, e.g. by `finish`), which leave the batch."""
         ended = [s for s in self.sequences if s.finished is not None]
-        live = self.active
-        if live:
-            for seq in live:  # 1. propose: prompt lookup's copies after the last token, where it applies
-                seq.drafts = self._lookup(seq)
-            logits = self._forward(live)  # 2. verify: one forward, each sequence's rows seeing its own keys
-            for seq, rows in zip(live, logits):  # 3. accept, 4. commit
+        fed = self._feed(self.active)  # sequence -> how many of its pending rows run now (a prompt: a chunk)
+        if fed:
+            for seq, n in fed.items():  # 1. propose: prompt lookup's copies after the last token, where it applies
+                seq.drafts = self._lookup(seq) if n == len(seq.pending) else []
+            logits = self._forward(fed)  # 2. verify: one forward, each sequence's rows seeing its own keys
+            for seq, rows in logits.items():  # 3. accept, 4. commit (a sequence whose whole prompt has run)
                 self._commit(seq, rows)
-            ended += [s for s in live if s.finished is not None]
+            ended += [s for s in fed if s.finished is not None]
         self.sequences = [s for s in self.sequences if s.finished is None]
         self._maybe_compact()
         return ended
+
+    def _feed(self, live: list[Sequence]) -> dict[Sequence, int]:
+        """How many pending rows each sequence runs this step: a decoding one its last token; a joining one the next
+        chunk of its prompt, in the order they joined, while the step's `prefill_chunk` prompt rows last (one that
+        finds none left waits a step; the first one always gets some)."""
+        fed, room = {}, self.prefill_chunk
+        for seq in live:
+            n = len(seq.pending) if len(seq.pending) == 1 else min(len(seq.pending), room)
+            if n:
+                fed[seq] = n
+                room -= n if len(seq.pending) > 1 else 0
+        return fed
 
     def _lookup(self, seq: Sequence) -> list[int]:
         cfg, state = seq.cfg, seq.state
@@ -147,13 +165,15 @@ class BatchDecoder:
         # a match this short is right too rarely to pay for its rows beside every other sequence's
         return copy if size >= LOOKUP_ALONE else []
 
-    def _forward(self, live: list[Sequence]) -> list[torch.Tensor]:
-        """The shared forward: per sequence, the logits [len(rows), V] of the rows it needs (a prompt's last row,
-        a step's row and its lookup copies)."""
+    def _forward(self, fed: dict[Sequence, int]) -> dict[Sequence, torch.Tensor]:
+        """The shared forward over each sequence's first `fed[seq]` pending rows (and its lookup copies): per
+        sequence that makes a choice now, the logits [len(rows), V] of the rows it needs (a prompt's last row, a
+        step's row and its copies' rows). A chunk that leaves some of its prompt pending needs none."""
         n = self.cache.get_seq_length()
+        live = list(fed)
         ids, positions, spans = [], [], []
         for seq in live:
-            rows = [*seq.pending, *seq.drafts]
+            rows = [*seq.pending[:fed[seq]], *seq.drafts]
             spans.append((len(ids), len(rows)))
             ids += rows
             positions += range(len(seq.state.cache.at), len(seq.state.cache.at) + len(rows))
@@ -169,17 +189,21 @@ class BatchDecoder:
                                         attention_mask=additive_mask(visible, self.model.dtype).to(device),
                                         cache=self.cache, use_cache=True)
         # the LM head on the rows a choice is made from: a prompt's last row, a step's row and its copies' rows
-        wanted = []
+        wanted = {}
         for seq, (start, m) in zip(live, spans):
-            first = start + len(seq.pending) - 1
-            wanted.append((first, start + m))
+            if fed[seq] == len(seq.pending):
+                wanted[seq] = (start + fed[seq] - 1, start + m)
+            else:
+                seq.pending = seq.pending[fed[seq]:]
             seq.state.cache.at += range(n + start, n + start + m)
             seq.state.stats.forwards += 1
-        index = torch.tensor([i for a, b in wanted for i in range(a, b)], device=device)
+        if not wanted:
+            return {}
+        index = torch.tensor([i for a, b in wanted.values() for i in range(a, b)], device=device)
         logits = self.model.backbone.lm_head(out.last_hidden_state[0].index_select(0, index))
-        pieces, at = [], 0
-        for a, b in wanted:
-            pieces.append(logits[at:at + b - a])
+        pieces, at = {}, 0
+        for seq, (a, b) in wanted.items():
+            pieces[seq] = logits[at:at + b - a]
             at += b - a
         return pieces
 

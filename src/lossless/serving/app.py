@@ -109,13 +109,15 @@ class Gate:
 
 
 def create_app(model, defaults: Defaults | None = None, *, model_name: str | None = None, api_key: str | None = None,
-               max_queue: int = 16, max_body: int = 1 << 20, batch: int = 1) -> FastAPI:
+               max_queue: int = 16, max_body: int = 1 << 20, batch: int = 1,
+               prefill_chunk: int | None = None) -> FastAPI:
     """The server's ASGI app for `model` (an OrthrusLM). `lossless serve` runs it with uvicorn. `batch` > 1:
-    up to that many requests decode together (exact kernels; see `engine.py`)."""
+    up to that many requests decode together (exact kernels; see `engine.py`), a joining prompt running at most
+    `prefill_chunk` rows a step."""
     defaults = defaults or Defaults()
     name = model_name or model.name
     metrics = Metrics()
-    engine = Engine(model, max_queue=max_queue, metrics=metrics, batch=batch)
+    engine = Engine(model, max_queue=max_queue, metrics=metrics, batch=batch, prefill_chunk=prefill_chunk)
     created = int(time.time())
 
     @asynccontextmanager

@@ -7,8 +7,8 @@ cancelled by its request (a client that went away) or by shutdown, between two c
 
 With `batch` 1 jobs decode one at a time, each in the configuration it asked for (`OrthrusLM.generate`). With
 `batch` > 1 (exact kernels) up to that many decode together, one forward per step (`decoding.batch`): a job
-joins at the next step after it arrives and leaves at the step it ends, and its tokens are bitwise the ones it
-gets alone. A batch runs AR steps, greedy ones with prompt lookup (the draft view's passes decode one sequence
+joins at the next step after it arrives (its prompt running in chunks of `prefill_chunk` rows beside the others'
+steps) and leaves at the step it ends, and its tokens are bitwise the ones it gets alone. A batch runs AR steps, greedy ones with prompt lookup (the draft view's passes decode one sequence
 at a time): greedy tokens are the same as any lossless configuration's on exact kernels; sampled ones are
 `--mode ar`'s with the same seed. A greedy job that finds nothing else decoding or waiting decodes alone in the
 configuration it asked for (the fastest lossless one by default: with one client a batch's AR steps would be
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import LosslessError
-from ..names import DEFAULT_LOOKUP, EXACT
+from ..names import DEFAULT_LOOKUP, EXACT, PREFILL_CHUNK
 from ..text import StopCutter, StreamDecoder
 
 log = logging.getLogger("lossless.serve")
@@ -81,11 +81,12 @@ class Engine:
     together (exact kernels). A place in the queue is held by a job that waits and whose client is still there:
     a cancelled job gives its place back at once."""
 
-    def __init__(self, model, max_queue: int = 16, metrics=None, batch: int = 1):
+    def __init__(self, model, max_queue: int = 16, metrics=None, batch: int = 1, prefill_chunk: int | None = None):
         if batch > 1 and getattr(model, "attn", None) != EXACT:
             raise LosslessError(f"--batch {batch} needs exact kernels (a request's tokens must not depend on its "
                                 f"neighbours): serve with --attn exact, or --batch 1")
         self.model, self.metrics, self.max_queue, self.batch = model, metrics, max_queue, batch
+        self.prefill_chunk = prefill_chunk or PREFILL_CHUNK  # prompt rows a batched step runs
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._waiting: set[Job] = set()
@@ -180,7 +181,7 @@ class Engine:
     def _run_batched(self) -> None:
         from ..decoding.batch import BatchDecoder
 
-        decoder = BatchDecoder(self.model)
+        decoder = BatchDecoder(self.model, self.prefill_chunk)
         live: dict[object, _Live] = {}  # sequence -> its job's streaming state
         while True:
             # 1. admit: waiting jobs join while there is room (wait for one only when nothing decodes)
@@ -223,7 +224,7 @@ class Engine:
             except Exception as exc:  # fails the jobs of this batch; the next ones start on a fresh decoder
                 for entry in live.values():
                     self._done(entry.job, _failed(exc))
-                live, decoder = {}, BatchDecoder(self.model)
+                live, decoder = {}, BatchDecoder(self.model, self.prefill_chunk)
                 continue
             for seq in ended:
                 entry = live.pop(seq)
