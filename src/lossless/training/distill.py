@@ -171,7 +171,7 @@ def generate_responses(model: OrthrusLM, prompts: list[dict], out_dir: str | Pat
 
 def default_dir(model: str, prompts: str | Path, max_new_tokens: int, dtype: str) -> Path:
     """Where responses go when no directory is named: the user cache (`--distill-dir` keeps them in a checkout)."""
-    from ..decoding.models import cache_dir
+    from ..paths import cache_dir
 
     return cache_dir() / "distill" / f"{Path(model).name}__{Path(prompts).stem}__{max_new_tokens}__{dtype}"
 
