@@ -8,7 +8,7 @@ per second over all sequences. The sequences share one cache, and exact attentio
 the last one a row sees (its own sequence's keys and the others'), so the step's cost grows with B x C, not only
 with B: what this shows. Prints a table and, last, one JSON line.
 
-    python benchmarks/batch_step.py --batch 1,2,4,8 --contexts 100,500,1000 --rounds 5 --threads 2
+    python benchmarks/batch_step.py --batch 1,2,4,8 --contexts 100,500,1000 --rounds 3 --threads 2
 """
 
 from __future__ import annotations

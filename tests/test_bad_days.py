@@ -595,9 +595,11 @@ def test_processes_of_one_launch_check_one_new_folder_at_once(tmp_path):
     assert [p.returncode for p in procs] == [0, 0, 0], errors
 
 
-def test_a_folder_another_rank_makes_and_removes_meanwhile_is_made_afresh(tmp_path, monkeypatch):
-    """A rank making --out while another checks it: mkdir finds the folder there, and gone when it looks.
-    Made afresh, and the lock taken in it; a file in its place is still refused."""
+@pytest.mark.parametrize("race", [FileExistsError, FileNotFoundError])
+def test_a_folder_another_rank_makes_and_removes_meanwhile_is_made_afresh(tmp_path, monkeypatch, race):
+    """A rank making --out while another checks it: mkdir finds the folder there and gone when it looks
+    (FileExistsError), or its parent gone between making it and making the folder in it (FileNotFoundError).
+    Made afresh, and the lock taken in it; a file or a broken link in its place is still refused."""
     from lossless.paths import exclusive_lock, make_dir
 
     target = tmp_path / "new" / "out"
@@ -607,7 +609,8 @@ def test_a_folder_another_rank_makes_and_removes_meanwhile_is_made_afresh(tmp_pa
     def racing(path, mode=0o777):
         if Path(path) == target and len(raced) < 3:  # another process's check made it and removed it again
             raced.append(path)
-            raise FileExistsError(errno.EEXIST, "File exists", str(path))
+            code = errno.EEXIST if race is FileExistsError else errno.ENOENT
+            raise race(code, os.strerror(code), str(path))
         return real(path, mode)
 
     monkeypatch.setattr(os, "mkdir", racing)

@@ -15,6 +15,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -122,16 +123,21 @@ def _probe(path: Path, missing: list[Path]) -> None:
 def make_dir(path: str | Path) -> Path:
     """`path.mkdir(parents=True, exist_ok=True)` that also stands the processes of one launch checking the
     same new folder (`check_writable_dir` makes and removes it): a folder made and removed again between
-    mkdir's steps is made afresh. A file in its place is still an error."""
+    mkdir's steps (the folder itself, or a parent between making it and making the folder in it) is made
+    afresh. A file or a broken link in its place is still an error."""
     path = Path(path)
     for attempt in range(1000):
         try:
             path.mkdir(parents=True, exist_ok=True)
             return path
-        except FileExistsError:  # it was there when mkdir tried, and gone (or a file) when mkdir looked
-            if attempt == 999 or path.is_symlink() or (path.exists() and not path.is_dir()):
+        except (FileExistsError, FileNotFoundError):  # there when mkdir tried, gone (or not a folder) when it looked
+            try:
+                here = os.lstat(path).st_mode
+            except FileNotFoundError:
+                here = None
+            if attempt == 999 or (here is not None and not stat.S_ISDIR(here) and not path.is_dir()):
                 raise
-    return path
+    raise AssertionError("unreachable")  # the last attempt returns or raises
 
 
 def write_atomically(path: str | Path, data: str | bytes) -> Path:

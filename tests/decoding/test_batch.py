@@ -157,6 +157,11 @@ def test_batching_refuses_stock_kernels_and_what_a_batch_cannot_run():
         dec.add([1, 2], DecodeConfig(lookup=4, sampling=SamplingConfig(temperature=0.5)))
     with pytest.raises(LosslessError, match="context"):
         dec.add([1] * 250, DecodeConfig(max_new_tokens=10))
+    from lossless.serving.engine import Engine
+
+    for bad in (0, -3, 2.5):  # refused before the engine's decoding thread starts (it would die on it)
+        with pytest.raises(LosslessError, match="prefill_chunk"):
+            Engine(exact_model("llama", torch.float32), batch=2, prefill_chunk=bad)
 
 
 @pytest.mark.parametrize("cut", [1, 5, 11])

@@ -362,12 +362,13 @@ def test_kernel_results_do_not_depend_on_the_thread_count():
 
 
 def test_packed_weights_follow_a_changed_weight():
-    from lossless.decoding.exact import PackedLinearMixin, _swap_class, stock_kernels
+    from lossless.decoding.exact import PackedLinearMixin, stock_kernels
+    from lossless.decoding.mixins import swap_class
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(48, 80)
     x = torch.randn(1, 5, 48)
-    _swap_class(lin, PackedLinearMixin)
+    swap_class(lin, PackedLinearMixin)
     first = lin(x)
     with torch.no_grad():
         lin.weight.mul_(2.0)  # a loaded head or a training step changes the weight in place

@@ -72,7 +72,7 @@ class Sequence:
     cfg: DecodeConfig
     generator: torch.Generator
     on_tokens: Callable[[list[int]], None] | None = None
-    pending: list[int] = field(default_factory=list)  # ids to feed next step: the prompt, then the last token
+    pending: list[int] = field(default_factory=list)  # ids to feed: the prompt rows not run yet, then the last token
     drafts: list[int] = field(default_factory=list)  # this step's lookup tokens, after `pending`
     started: float = field(default_factory=time.perf_counter)
 
@@ -90,8 +90,7 @@ class BatchDecoder:
     """Sequences of one exact-mode model decoding together: `add` a request, `step` until it is `finished`."""
 
     def __init__(self, model, prefill_chunk: int = PREFILL_CHUNK):
-        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise LosslessError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
+        self.check_prefill_chunk(prefill_chunk)
         if getattr(model, "attn", None) != EXACT:
             raise LosslessError("batched decoding needs exact kernels (each sequence's tokens must not depend on its "
                                 f"neighbours): load the model with attn='exact' (got {getattr(model, 'attn', None)!r})")
@@ -123,15 +122,20 @@ class BatchDecoder:
         self.sequences.append(seq)
         return seq
 
+    @staticmethod
+    def check_prefill_chunk(prefill_chunk) -> None:
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise LosslessError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
+
     @property
     def active(self) -> list[Sequence]:
         return [s for s in self.sequences if s.finished is None]
 
     @torch.no_grad()
     def step(self) -> list[Sequence]:
-        """One forward over every active sequence's rows: commit each one's new tokens (calling its `on_tokens`).
-        Returns the sequences that finished in it (or before it, e.g. by `finish`), which leave the batch."""
-        ended = [s for s in self.sequences if s.finished is not None]
+        """One forward over the active sequences' rows (a joining one's next prompt chunk, while the step's
+        `prefill_chunk` rows last): commit each one's new tokens (calling its `on_tokens`). Returns the sequences
+        that finished in it or before it (e.g. by `finish`), which leave the batch."""
         fed = self._feed(self.active)  # sequence -> how many of its pending rows run now (a prompt: a chunk)
         if fed:
             for seq, n in fed.items():  # 1. propose: prompt lookup's copies after the last token, where it applies
@@ -139,7 +143,7 @@ class BatchDecoder:
             logits = self._forward(fed)  # 2. verify: one forward, each sequence's rows seeing its own keys
             for seq, rows in logits.items():  # 3. accept, 4. commit (a sequence whose whole prompt has run)
                 self._commit(seq, rows)
-            ended += [s for s in fed if s.finished is not None]
+        ended = [s for s in self.sequences if s.finished is not None]
         self.sequences = [s for s in self.sequences if s.finished is None]
         self._maybe_compact()
         return ended

@@ -31,6 +31,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..errors import LosslessError
 from ..names import EXACT
 from .exact import exact_attention
+from .mixins import swap_class
 
 DIFF_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 DIFF_NORM = ("q_norm", "k_norm")
@@ -270,28 +271,12 @@ def _eager_attention(module, query, key, value, attention_mask, scaling, dropout
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
-_SUBCLASSES: dict[type, type] = {}
-
-
-def _dual_view_class(base: type) -> type:
-    """The subclass `DualView<Base>` of a backbone attention class, created once per base class."""
-    if base not in _SUBCLASSES:
-        rotary = getattr(inspect.getmodule(base), "apply_rotary_pos_emb", None)
-        if rotary is None:
-            raise LosslessError(f"{base.__name__}: its module defines no apply_rotary_pos_emb; backbone unsupported")
-        _SUBCLASSES[base] = type(
-            f"DualView{base.__name__}",
-            (DualViewAttentionMixin, base),
-            {"_orthrus_rotary": staticmethod(rotary)},
-        )
-    return _SUBCLASSES[base]
-
-
-def _dual_view_mlp_class(base: type) -> type:
-    """The subclass `DualView<Base>` of a backbone MLP class, created once per base class."""
-    if base not in _SUBCLASSES:
-        _SUBCLASSES[base] = type(f"DualView{base.__name__}", (DualViewMLPMixin, base), {})
-    return _SUBCLASSES[base]
+def _dual_view_namespace(base: type) -> dict:
+    """What `DualView<Base>` adds to a backbone attention class: its module's own rotary function."""
+    rotary = getattr(inspect.getmodule(base), "apply_rotary_pos_emb", None)
+    if rotary is None:
+        raise LosslessError(f"{base.__name__}: its module defines no apply_rotary_pos_emb; backbone unsupported")
+    return {"_orthrus_rotary": staticmethod(rotary)}
 
 
 def attention_modules(backbone: nn.Module) -> list[nn.Module]:
@@ -314,7 +299,7 @@ def install_dual_view(backbone: nn.Module) -> None:
     for attn in attention_modules(backbone):
         if isinstance(attn, DualViewAttentionMixin):
             continue
-        attn.__class__ = _dual_view_class(type(attn))
+        swap_class(attn, DualViewAttentionMixin, f"DualView{type(attn).__name__}", _dual_view_namespace(type(attn)))
         attn._orthrus_rows = _ViewRows()
         for name in DIFF_PROJ + DIFF_NORM:
             source = getattr(attn, name, None)
@@ -338,8 +323,7 @@ def set_draft_adapter(backbone: nn.Module, rank: int) -> None:
                 del mlp.mlp_diff
             continue
         weight = next(mlp.parameters())
-        if not isinstance(mlp, DualViewMLPMixin):
-            mlp.__class__ = _dual_view_mlp_class(type(mlp))
+        swap_class(mlp, DualViewMLPMixin, f"DualView{type(mlp).__name__}")
         mlp._orthrus_rows = attn._orthrus_rows
         mlp.mlp_diff = DraftAdapter(hidden, rank).to(device=weight.device, dtype=weight.dtype)
 

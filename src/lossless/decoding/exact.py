@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from . import kernels
 from .cache import GrowingLayer
+from .mixins import swap_class
 from ..errors import LosslessError
 from ..names import EXACT
 
@@ -449,19 +450,6 @@ def _rotary_frequencies(rotary: torch.nn.Module, config) -> tuple[object, float]
                         f"use --attn sdpa")
 
 
-_SUBCLASSES: dict[tuple[type, type], type] = {}
-
-
-def _swap_class(module: torch.nn.Module, mixin: type) -> None:
-    base = type(module)
-    if isinstance(module, mixin):
-        return
-    if (mixin, base) not in _SUBCLASSES:
-        prefix = mixin.__name__.removesuffix("Mixin")
-        _SUBCLASSES[(mixin, base)] = type(f"{prefix}{base.__name__}", (mixin, base), {})
-    module.__class__ = _SUBCLASSES[(mixin, base)]
-
-
 def _is_norm(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("RMSNorm")
 
@@ -529,7 +517,7 @@ def make_batch_invariant(backbone: torch.nn.Module) -> list[str]:
         structure |= {id(layer), id(layer.self_attn), id(layer.mlp)}
     for name, module in backbone.named_modules():
         if isinstance(module, torch.nn.Linear):
-            _swap_class(module, PackedLinearMixin)
+            swap_class(module, PackedLinearMixin)
             linears[(module.in_features, module.out_features)] = linears.get((module.in_features, module.out_features), 0) + 1
             continue
         mixin, how = ((NormMixin, "fixed-order kernel") if _is_norm(module) else
@@ -538,19 +526,19 @@ def make_batch_invariant(backbone: torch.nn.Module) -> list[str]:
         if mixin is not None:
             label = f"{type(module).__name__.removeprefix(mixin.__name__.removesuffix('Mixin'))} x{{}} ({how})"
             counts[label] = counts.get(label, 0) + 1
-            _swap_class(module, mixin)
+            swap_class(module, mixin)
         elif id(module) not in structure and not isinstance(module, _COVERED) and type(module).__name__ != "DraftAdapter":
             raise LosslessError(f"exact mode has no kernel for {name} ({type(module).__name__}); use --attn sdpa")
     release_frozen_weights(backbone)
     fused = 0
     for layer in backbone.model.layers:
         if _fusable(layer):
-            _swap_class(layer, FusedLayerMixin)
+            swap_class(layer, FusedLayerMixin)
             fused += 1
     stacked = bool(fused) and fused == len(backbone.model.layers) and hasattr(backbone.model, "embed_tokens") \
         and hasattr(backbone.model, "norm")
     if stacked:
-        _swap_class(backbone.model, FusedStackMixin)
+        swap_class(backbone.model, FusedStackMixin)
     how = "one call per forward" if stacked else "two calls per AR forward"
     return ["attention", *(f"linear {i}->{o} x{n} (fixed-order kernel)" for (i, o), n in sorted(linears.items())),
             *([f"decoder layer x{fused} ({how})"] if fused else []),
@@ -578,7 +566,7 @@ def release_frozen_weights(backbone: torch.nn.Module) -> int:
             start, end = w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()
             module.release_weight()
             for embedding in tied:
-                _swap_class(embedding, PanelRowsMixin)
+                swap_class(embedding, PanelRowsMixin)
                 embedding.__dict__["_lossless_rows_of"] = module  # not a submodule: no second owner of it
                 embedding.weight = module.weight  # the meta placeholder
             _drop_file_pages(start, end, mapped)

@@ -6,14 +6,15 @@ text reaches the request's event loop as it is committed, already cut at the sto
 cancelled by its request (a client that went away) or by shutdown, between two cycles.
 
 With `batch` 1 jobs decode one at a time, each in the configuration it asked for (`OrthrusLM.generate`). With
-`batch` > 1 (exact kernels) up to that many decode together, one forward per step (`decoding.batch`): a job
-joins at the next step after it arrives (its prompt running in chunks of `prefill_chunk` rows beside the others'
-steps) and leaves at the step it ends, and its tokens are bitwise the ones it gets alone. A batch runs AR steps, greedy ones with prompt lookup (the draft view's passes decode one sequence
-at a time): greedy tokens are the same as any lossless configuration's on exact kernels; sampled ones are
-`--mode ar`'s with the same seed. A greedy job that finds nothing else decoding or waiting decodes alone in the
-configuration it asked for (the fastest lossless one by default: with one client a batch's AR steps would be
-slower than speculation) until another job arrives; then it goes on in the batch after the tokens it has. Its
-tokens are the same either way. It does not know HTTP; `app.py` turns jobs into responses.
+`batch` > 1 (exact kernels) up to that many decode together, one forward per step (`decoding.batch`): a job joins
+at the next step after it arrives (its prompt running in chunks of `prefill_chunk` rows beside the others' steps)
+and leaves at the step it ends, and its tokens are bitwise the ones it gets alone. A batch runs AR steps, greedy
+ones with prompt lookup (the draft view's passes decode one sequence at a time): greedy tokens are the same as any
+lossless configuration's on exact kernels; sampled ones are `--mode ar`'s with the same seed. A greedy job that
+finds nothing else decoding or waiting decodes alone in the configuration it asked for (the fastest lossless one by
+default: with one client a batch's AR steps would be slower than speculation) until another job arrives; then it
+goes on in the batch after the tokens it has. Its tokens are the same either way. It does not know HTTP; `app.py`
+turns jobs into responses.
 """
 
 from __future__ import annotations
@@ -86,7 +87,12 @@ class Engine:
             raise LosslessError(f"--batch {batch} needs exact kernels (a request's tokens must not depend on its "
                                 f"neighbours): serve with --attn exact, or --batch 1")
         self.model, self.metrics, self.max_queue, self.batch = model, metrics, max_queue, batch
-        self.prefill_chunk = prefill_chunk or PREFILL_CHUNK  # prompt rows a batched step runs
+        # the most prompt rows a batched step runs
+        self.prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
+        if batch > 1:  # a bad value refused here, not by the decoding thread's first BatchDecoder (which would die)
+            from ..decoding.batch import BatchDecoder
+
+            BatchDecoder.check_prefill_chunk(self.prefill_chunk)
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._waiting: set[Job] = set()
