@@ -253,10 +253,14 @@ def test_subnormals_read_as_zero_and_results_flush_in_every_variant(isa):
                     # a subnormal input contributes nothing, even beside a normal accumulator of its size
                     x = torch.tensor([[sub, 0, 0, 0, 0, 0], [0] * 6], dtype=torch.float32).to(dtype)
                     assert torch.equal(kernels.linear(x, packed, 40), torch.zeros(2, 40, dtype=dtype))
-                    # a product below FLT_MIN added to nothing is flushed (sign kept), never kept as a subnormal
+                    # a product below FLT_MIN added to nothing is flushed (sign kept), never kept as a subnormal; in
+                    # bf16 (AMX's order) the flushed -0 is then added to a sum that starts at +0, so +0
                     tiny = torch.full((1, 2), 2.0 ** -70).to(dtype)
                     out = kernels.linear(tiny, kernels.pack_weight(torch.full((3, 2), -2.0 ** -70).to(dtype)), 3)
-                    assert torch.equal(bits(out), bits(torch.full((1, 3), -0.0, dtype=dtype)))
+                    zero = 0.0 if dtype == torch.bfloat16 else -0.0
+                    assert torch.equal(bits(out), bits(torch.full((1, 3), zero, dtype=dtype)))
+                    sums = kernels.linear_sums(tiny, kernels.pack_weight(torch.full((3, 2), -2.0 ** -70).to(dtype)), 3)
+                    assert torch.equal(bits(sums), bits(torch.full((1, 3), zero)))
                     assert kernels.rms_norm(torch.full((2, 5), sub).to(dtype), torch.ones(5, dtype=dtype), 0.0).isnan().all()
             finally:
                 torch.set_flush_denormal(False)
@@ -283,7 +287,7 @@ def test_nan_and_inf_have_one_defined_result_in_every_variant():
 
 def test_the_isa_switch_refuses_unknown_and_unrunnable_variants(monkeypatch):
     monkeypatch.setenv(kernels.ISA_ENV, "avx1024")
-    with pytest.raises(LosslessError, match="not a kernel variant: choose one of avx512bf16, avx512, avx2, scalar"):
+    with pytest.raises(LosslessError, match="not a kernel variant: choose one of amx, avx512bf16, avx512, avx2, scalar"):
         kernels.isa()
     monkeypatch.setenv(kernels.ISA_ENV, "scalar")
     assert kernels.isa() == "scalar" and kernels.ops() is kernels.extension().scalar
@@ -294,6 +298,27 @@ def test_the_isa_switch_refuses_unknown_and_unrunnable_variants(monkeypatch):
     try:
         with pytest.raises(LosslessError, match="this CPU cannot run that variant .it can run avx2, scalar"):
             with kernels.use_isa("avx512bf16"):
+                pass
+    finally:
+        kernels._resolve.cache_clear()
+
+
+def test_amx_is_refused_in_one_line_without_the_tiles_or_the_leave_to_use_them(monkeypatch):
+    amx_flags = kernels._NEEDS["amx"]
+    kernels._resolve.cache_clear()
+    try:
+        if "amx" not in VARIANTS:  # this CPU: no tiles (or no leave), so the variant is refused by name
+            with pytest.raises(LosslessError, match="LOSSLESS_EXACT_ISA=amx: this CPU cannot run that variant"):
+                with kernels.use_isa("amx"):
+                    pass
+        # a CPU with the tiles whose operating system refuses their state: refused, saying why
+        monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(amx_flags))
+        monkeypatch.setattr(kernels, "amx_refusal", lambda: "Linux refused the AMX tile state (arch_prctl: EPERM)")
+        kernels._resolve.cache_clear()
+        assert kernels.runnable_isas()[0] == "avx512bf16"  # the default goes on without tiles
+        with pytest.raises(LosslessError, match=r"^LOSSLESS_EXACT_ISA=amx: .*Linux refused the AMX tile state.*it can "
+                                                r"run avx512bf16, avx512, avx2, scalar\)$"):
+            with kernels.use_isa("amx"):
                 pass
     finally:
         kernels._resolve.cache_clear()

@@ -107,27 +107,32 @@ struct V16 {
   }
   void store(float* p) const { for (int l = 0; l < LANES; ++l) p[l] = v[l]; }
 #endif
-  // Pairs: 16 lanes of (bf16 even, bf16 odd) packed in uint32s (the even one in the low half). this + the odd
-  // products, then + the even ones, each an fma (a bf16 x bf16 product is exact in fp32): what the AVX-512
-  // BF16 dot-product instruction computes lane by lane under the denormal rule (inputs read as zero when
-  // subnormal, results flushed), so both ways give the same bits.
+  // Pairs: 16 lanes of two bf16 packed in a uint32 (see the linear layer), this + the high products, then + the
+  // low ones, each an fma (a bf16 x bf16 product is exact in fp32): what the AVX-512 BF16 dot-product instruction
+  // computes lane by lane under the denormal rule (inputs read as zero when subnormal, results flushed), so this
+  // and two widened fmas (`split_pairs`) give the same bits.
 #if defined(LOSSLESS_DPBF16)
-  V16 dot_pairs(uint32_t xpair, __m512i wpairs) const {  // the same, the weights already in a register
+  V16 dot_pairs(uint32_t xpair, __m512i wpairs) const {
     return {_mm512_dpbf16_ps(v, (__m512bh)_mm512_set1_epi32(static_cast<int>(xpair)), (__m512bh)wpairs)};
   }
 #endif
-  V16 dot_pairs(uint32_t xpair, const uint32_t* wpairs) const {
-#if defined(LOSSLESS_DPBF16)
-    return {_mm512_dpbf16_ps(v, (__m512bh)_mm512_set1_epi32(static_cast<int>(xpair)),
-                             (__m512bh)_mm512_loadu_si512(wpairs))};
+  // 16 lanes of pairs widened exactly to fp32: the high halves and the low halves
+  static void split_pairs(const uint32_t* p, V16& high, V16& low) {
+#if defined(LOSSLESS_V16_AVX512)
+    const __m512i v = _mm512_loadu_si512(p);
+    high = {_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+    low = {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))};
+#elif defined(LOSSLESS_V16_AVX2)
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8));
+    const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    high = {_mm256_castsi256_ps(_mm256_and_si256(a, mask)), _mm256_castsi256_ps(_mm256_and_si256(b, mask))};
+    low = {_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16))};
 #else
-    float even[LANES], odd[LANES];
     for (int64_t l = 0; l < LANES; ++l) {
-      even[l] = __builtin_bit_cast(float, wpairs[l] << 16);
-      odd[l] = __builtin_bit_cast(float, wpairs[l] & 0xFFFF0000u);
+      high.v[l] = __builtin_bit_cast(float, p[l] & 0xFFFF0000u);
+      low.v[l] = __builtin_bit_cast(float, p[l] << 16);
     }
-    const float xe = __builtin_bit_cast(float, xpair << 16), xo = __builtin_bit_cast(float, xpair & 0xFFFF0000u);
-    return fma(splat(xo), load(static_cast<const float*>(odd))).fma(splat(xe), load(static_cast<const float*>(even)));
 #endif
   }
   // lanes 0..n-1 from p, zeros after (n < LANES): the tail of a row, as if it were zero-padded
@@ -196,42 +201,57 @@ inline V16 exp_fixed(V16 x) {
   return V16::if_nan(x, x, V16::above(x, hi, V16::splat(INFINITY), V16::above(lo, x, zero, y)));
 }
 
-// The linear layer. Weights are packed once (`pack_weight` in kernels.py) into panels of 16 outputs: panel p
-// holds outputs 16p..16p+15, input by input, [panels, k, 16]; in bf16 two inputs at a time, [panels, k/2, 16, 2]
-// (k padded to even with zeros). Output o of row r is then one chain in input order:
-//   acc = 0; for i in 0..k-1: acc = fma(x[r][i], w[o][i], acc)
-// in bf16: for each pair i: acc = fma(x[2i+1], w[2i+1], acc); acc = fma(x[2i], w[2i], acc)
-// never split, never reassociated, whatever the blocking below does; the blocks of RB rows x JB panels only
-// decide which chains advance together (so weights are read once per RB rows).
+// The linear layer. Weights are packed once (`pack_weight` in kernels.py) into panels of 16 outputs, panel p
+// holding outputs 16p..16p+15 side by side, step by step: fp32 and fp16 one input a step, [panels, k, 16]; bf16
+// two inputs a step as 32-bit pairs, [panels, kp / 2, 16], kp = k rounded up to a multiple of 32 (zeros past k).
 //
-// A call's rows go through the panels in blocks of at most RB rows, as even as possible (9 rows as 5 + 4, not
-// 4 + 4 + 1: a block of one row is as slow as streaming the weights); every block after the first reads the
-// panels from cache. With the dot-product instruction each weight vector is loaded once per input step for all
-// rows of the block.
+// fp32 and fp16: output o of row r is one fma chain over its inputs in order:
+//   acc = 0; for i in 0..k-1: acc = fma(x[r][i], w[o][i], acc)
+// bf16: the order AMX's tile dot product (TDPBF16PS) computes, which every variant computes bit for bit. Per
+// chunk of 32 inputs (32c .. 32c + 31), two fp32 chains from +0: e over the chunk's even inputs in order, o over
+// its odd ones (e = fma(x[r][i], w[o][i], e) for i = 32c, 32c + 2, ..; o from 32c + 1), then
+//   acc = acc + (e + o)          (acc from +0, two roundings; one chunk after another)
+// A pair step holds two inputs of one parity: step 2q + p (q counts groups of four inputs) holds inputs 4q + p in
+// its high half and 4q + 2 + p in its low half, the high one the first fma, as the AVX-512 BF16 dot product takes
+// a pair. So e is a chunk's even steps one after another and o its odd ones, one dot product or two widened fmas
+// a step; the AMX variant gives its tiles the inputs in their own order (each step's pairs taken apart again).
+// A chain is never split or reassociated, whatever the blocking below does; blocks of rows x panels only decide
+// which chains advance together (so weights are read once per block of rows).
+//
+// A call's rows go through the panels in blocks of at most RB rows (bf16 widened RW, fp32/fp16 RF), as even as
+// possible (9 rows as 5 + 4, not 4 + 4 + 1: a block of one row is as slow as streaming the weights); every block
+// after the first reads the panels from cache. Each weight vector is loaded once per step for all rows of a block.
+constexpr int64_t CHUNK_STEPS = 16;  // bf16 pair steps per chunk of 32 inputs
 #if defined(LOSSLESS_DPBF16)
-constexpr int RB = 6, JB = 4;  // 24 accumulators + 4 weight vectors + 1 broadcast of the 32 registers
-#elif defined(LOSSLESS_V16_AVX512)
-constexpr int RB = 4, JB = 4;  // 16 accumulators + 4 weight vectors + 1 broadcast
+constexpr int RB = 6, JB = 2;  // bf16 dot products: 6 x 2 x (e, o) = 24 accumulators + 2 weight vectors + 1 broadcast
+constexpr int RT = 12;         // tall blocks through one panel: 24 accumulators
+#endif
+#if defined(LOSSLESS_V16_AVX512)
+constexpr int RF = 4, JF = 4;  // fp32/fp16: 16 accumulators + 4 weight vectors + 1 broadcast
+constexpr int RW = 4, JW = 2;  // bf16 widened: 16 accumulators + 4 widened weight vectors + 2 broadcasts
+constexpr int JS = 4;          // calls of at most 2 rows (a decode step): 4 panels at a time, 16 accumulators
 #else
-constexpr int RB = 4, JB = 2;  // AVX2: 16 registers, two per accumulator
+constexpr int RF = 4, JF = 2;  // AVX2: 16 registers, two per V16
+constexpr int RW = 2, JW = 1;  // 4 accumulators (8 registers) + 2 widened weight vectors + 2 broadcasts
+constexpr int JS = 1;
 #endif
 
 template <typename T> constexpr bool PAIRED = std::is_same_v<T, at::BFloat16>;
 
-// bf16 on AVX-512: the pair products as two fp32 fmas from weights widened once per input step (exact: a bf16
-// is an fp32 with a shorter mantissa), the same bits as the dot-product instruction. Where that instruction has
-// a quarter of the fma's throughput (measured so on Intel Xeons with AMX; on AMD Zen 4 it has the same), the
-// widened path computes a block of rows twice as fast. Without the instruction it is the only path.
-#if defined(LOSSLESS_V16_AVX512)
+// bf16 products either by the dot-product instruction (the variants that have it) or as two fp32 fmas from
+// weights widened once per step (exact: a bf16 is an fp32 with a shorter mantissa): the same bits. Where the
+// instruction has a quarter of the fma's throughput (measured so on Intel Xeons with AMX; on AMD Zen 4 it has the
+// same), the widened path computes a block of rows twice as fast. Without the instruction it is the only path.
 #if defined(LOSSLESS_DPBF16)
 inline bool& widen_bf16() { static bool on = false; return on; }
 #else
 inline bool& widen_bf16() { static bool on = true; return on; }
 #endif
-constexpr int RW = 5, JW = 4;  // widened blocks: 20 accumulators + 8 widened weight vectors + broadcasts
-#else
-inline bool& widen_bf16() { static bool on = false; return on; }
-constexpr int RW = 4, JW = 2;
+
+#if defined(LOSSLESS_AMX)
+// AMX tiles take bf16 calls of at least this many rows (fewer: the dot-product path, faster there); measured by
+// `choose_bf16_path`, settable for tests (`set_amx_rows`)
+inline int64_t& amx_rows() { static int64_t rows = 2; return rows; }
 #endif
 
 #if defined(LOSSLESS_DPBF16)
@@ -256,21 +276,6 @@ inline double chain_seconds(bool dot, int64_t rounds) {
   return seconds;
 }
 #endif
-
-// Measure once which bf16 path is faster on this core and take it (the variant with the dot-product instruction;
-// elsewhere the one path there is). A widened pair costs two fmas where the instruction costs one: it pays where
-// the fma's throughput is at least 3x the instruction's. Either gives the same bits. Returns the path taken.
-bool choose_bf16_path() {
-#if defined(LOSSLESS_DPBF16)
-  double dot = 1e9, fma = 1e9;
-  for (int t = 0; t < 3; ++t) {  // the best of three (about a millisecond each)
-    dot = std::min(dot, chain_seconds(true, 40000));
-    fma = std::min(fma, chain_seconds(false, 40000));
-  }
-  widen_bf16() = dot >= 3.0 * fma;
-#endif
-  return widen_bf16();
-}
 
 bool bf16_widened() { return widen_bf16(); }
 
@@ -299,15 +304,16 @@ bool set_widen_bf16(bool on) {
   return widen_bf16();
 }
 
-// x rows as the kernel reads them: fp32 [m, k], bf16 pairs as uint32 [m, ceil(k/2)], or (widened) each pair as
-// fp32 (odd, even) [m, ceil(k/2), 2]
+// x rows as the kernel reads them: fp32 [m, k]; bf16 pair steps as uint32 [m, kp / 2] or (widened) each step's
+// pair as fp32 (high, low) [m, kp / 2, 2], and for AMX tiles the rows in the inputs' own order, [16-row tiles, kp]
 template <typename T>
 struct Rows {
   std::vector<float> f;
   std::vector<uint32_t> pairs;
-  int64_t steps = 0;  // chain steps per output: k, or ceil(k / 2) pairs
+  std::vector<uint16_t> tiles;  // AMX: bf16 [ceil(m / 16) * 16, kp], zeros past k and past m
+  int64_t steps = 0;  // chain steps per output: k, or kp / 2 pairs
   int64_t k = 0;
-  bool widened = false;
+  bool widened = false, amx = false;
   Rows() = default;
   Rows(const T* x, int64_t m, int64_t k_) {
     resize(m, k_);
@@ -316,8 +322,12 @@ struct Rows {
   void resize(int64_t m, int64_t k_) {
     k = k_;
     if constexpr (PAIRED<T>) {
-      steps = (k + 1) / 2;
+      steps = (k + 31) / 32 * CHUNK_STEPS;
       widened = widen_bf16();
+#if defined(LOSSLESS_AMX)
+      amx = m >= amx_rows();
+      if (amx) tiles.assign(static_cast<size_t>((m + 15) / 16 * 16 * steps * 2), 0);
+#endif
       if (widened) f.resize(static_cast<size_t>(m * steps * 2));
       else pairs.resize(static_cast<size_t>(m * steps));
     } else {
@@ -325,17 +335,22 @@ struct Rows {
       f.resize(static_cast<size_t>(m * k));
     }
   }
-  // steps s0..s1-1 of row r from x [m, k] (a pair past k holds a zero)
+  // steps s0..s1-1 of row r from x [m, k] (an input past k is a zero)
   void fill(const T* x, int64_t r, int64_t s0, int64_t s1) {
     const T* xr = x + r * k;
     if constexpr (PAIRED<T>) {
       for (int64_t i = s0; i < s1; ++i) {
-        const bool odd = 2 * i + 1 < k;
+        const int64_t first = (i >> 1) * 4 + (i & 1), second = first + 2;  // the high input, then the low one
+        const uint16_t hi = first < k ? xr[first].x : 0, lo = second < k ? xr[second].x : 0;
         if (widened) {
-          f[(r * steps + i) * 2 + 1] = to_float(xr[2 * i]);
-          f[(r * steps + i) * 2] = odd ? to_float(xr[2 * i + 1]) : 0.0f;
+          f[(r * steps + i) * 2] = __builtin_bit_cast(float, static_cast<uint32_t>(hi) << 16);
+          f[(r * steps + i) * 2 + 1] = __builtin_bit_cast(float, static_cast<uint32_t>(lo) << 16);
         } else {
-          pairs[r * steps + i] = static_cast<uint32_t>(xr[2 * i].x) | (odd ? static_cast<uint32_t>(xr[2 * i + 1].x) << 16 : 0u);
+          pairs[r * steps + i] = static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16;
+        }
+        if (amx) {
+          tiles[r * steps * 2 + first] = hi;
+          tiles[r * steps * 2 + second] = lo;
         }
       }
     } else {
@@ -352,6 +367,35 @@ struct Rows {
   }
 };
 
+// one packed weight of a call: its panels, outputs, where they go and its bias (or null); `sums` (fp32 [m, n])
+// instead of `out` takes the product-sums themselves, started from `init` (fp32 [m, n]) instead of +0 where given
+template <typename T>
+struct Weight {
+  const T* packed;
+  int64_t n, panels;
+  T* out;
+  const T* bias;
+  float* sums = nullptr;
+  const float* init = nullptr;
+};
+
+// the 16 sums of one row and panel a chain starts from: +0, or the weight's `init` (lanes past n: +0)
+template <typename T>
+inline V16 start_sum(const Weight<T>& w, int64_t row, int64_t panel) {
+  return w.init ? V16::load_padded(w.init + row * w.n, panel * LANES, w.n) : V16::zero();
+}
+
+// the 16 sums of one row and panel to the outputs that exist: + bias, rounded to T (or as they are to `sums`)
+template <typename T>
+inline void store_sum(const Weight<T>& w, int64_t row, int64_t panel, const float* sum) {
+  for (int64_t l = 0; l < LANES; ++l) {
+    const int64_t o = panel * LANES + l;
+    if (o >= w.n) break;
+    if (w.sums) w.sums[row * w.n + o] = sum[l];
+    else w.out[row * w.n + o] = from_float<T>(w.bias ? sum[l] + to_float(w.bias[o]) : sum[l]);
+  }
+}
+
 // steps ahead of the one computing that a block asks the cache for (one 64-byte line per panel and step): the
 // hardware's prefetcher alone leaves a block of many rows waiting on memory
 #ifndef LOSSLESS_PREFETCH
@@ -359,219 +403,285 @@ struct Rows {
 #endif
 constexpr int64_t PREFETCH = LOSSLESS_PREFETCH;
 
-// Ask for the weights a block will read: blocks of up to RB rows (each weight vector feeds RB x JB products)
-// PREFETCH steps ahead in their own panels, into L1; tall blocks (2 panels, the dot-product variant) the next two
-// panels' line at this step, into L2, so the memory streams while a block that reads from cache computes and
-// the next block finds its panels there. (A prefetch past the weights' end is harmless: it never faults.)
-template <int J>
+// Ask for the weights a block will read: blocks of up to RB rows (each weight vector feeds RB x J products)
+// PREFETCH steps ahead in their own panels, into L1; tall blocks (one panel, the dot-product variant) the next
+// panel's line at this step, into L2, so the memory streams while a block that reads from cache computes and the
+// next block finds its panel there. (A prefetch past the weights' end is harmless: it never faults.)
+template <int J, bool TALL>
 inline void prefetch_panels(const uint32_t* w, int64_t steps) {
-#if defined(LOSSLESS_DPBF16)
-  if constexpr (J == 2) {
-    for (int j = 0; j < J; ++j) __builtin_prefetch(w + (J + j) * steps * LANES, 0, 2);
-    return;
-  }
-#endif
+  if constexpr (TALL) {
+    __builtin_prefetch(w + steps * LANES, 0, 2);
+  } else {
 #pragma GCC unroll 4
-  for (int j = 0; j < J; ++j) __builtin_prefetch(w + (j * steps + PREFETCH) * LANES, 0, 3);
+    for (int j = 0; j < J; ++j) __builtin_prefetch(w + (j * steps + PREFETCH) * LANES, 0, 3);
+  }
 }
 
+// fp32 and fp16: R rows x J panels, each output one chain over the inputs
 template <int R, int J, typename T>
-inline void panel_block(const Rows<T>& x, int64_t r0, const T* panels, int64_t n, int64_t p0, T* out,
-                        const T* bias) {
+inline void panel_block(const Rows<T>& x, int64_t r0, const Weight<T>& wt, int64_t p0) {
   // every loop over r or j is unrolled, so the accumulators stay in registers
   const int64_t steps = x.steps;
   V16 acc[R][J];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < J; ++j) acc[r][j] = V16::zero();
+    for (int j = 0; j < J; ++j) acc[r][j] = start_sum(wt, r0 + r, p0 + j);
   for (int64_t i = 0; i < steps; ++i) {
-    if constexpr (PAIRED<T>) {
-      const uint32_t* w = reinterpret_cast<const uint32_t*>(panels) + (p0 * steps + i) * LANES;
-      prefetch_panels<J>(w, steps);
-#if defined(LOSSLESS_DPBF16)
-      __m512i wv[J];
+    V16 w[J];
 #pragma GCC unroll 4
-      for (int j = 0; j < J; ++j) wv[j] = _mm512_loadu_si512(w + j * steps * LANES);
+    for (int j = 0; j < J; ++j) w[j] = V16::load(wt.packed + ((p0 + j) * steps + i) * LANES);
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const uint32_t xr = x.pairs[(r0 + r) * steps + i];
+    for (int r = 0; r < R; ++r) {
+      const V16 xb = V16::splat(x.f[(r0 + r) * steps + i]);
 #pragma GCC unroll 4
-        for (int j = 0; j < J; ++j) acc[r][j] = acc[r][j].dot_pairs(xr, wv[j]);
-      }
-#else
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const uint32_t xr = x.pairs[(r0 + r) * steps + i];
-#pragma GCC unroll 4
-        for (int j = 0; j < J; ++j) acc[r][j] = acc[r][j].dot_pairs(xr, w + j * steps * LANES);
-      }
-#endif
-    } else {
-      V16 w[J];
-#pragma GCC unroll 4
-      for (int j = 0; j < J; ++j) w[j] = V16::load(panels + ((p0 + j) * steps + i) * LANES);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const V16 xb = V16::splat(x.f[(r0 + r) * steps + i]);
-#pragma GCC unroll 4
-        for (int j = 0; j < J; ++j) acc[r][j] = acc[r][j].fma(xb, w[j]);
-      }
+      for (int j = 0; j < J; ++j) acc[r][j] = acc[r][j].fma(xb, w[j]);
     }
   }
-  store_block<R, J>(acc, r0, n, p0, out, bias);
-}
-
-// store R x J accumulators (+ bias) to the outputs that exist
-template <int R, int J, typename T>
-inline void store_block(V16 (&acc)[R][J], int64_t r0, int64_t n, int64_t p0, T* out, const T* bias) {
   float buf[LANES];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int j = 0; j < J; ++j) {
       acc[r][j].store(buf);
-      for (int64_t l = 0; l < LANES; ++l) {
-        const int64_t o = (p0 + j) * LANES + l;
-        if (o < n) out[(r0 + r) * n + o] = from_float<T>(bias ? buf[l] + to_float(bias[o]) : buf[l]);
-      }
+      store_sum(wt, r0 + r, p0 + j, buf);
     }
 }
 
-#if defined(LOSSLESS_V16_AVX512)
-// bf16 widened: per input pair, each of the J weight vectors widened once (even: the low halves shifted up; odd:
-// the high halves masked), then for every row acc = fma(x_odd, w_odd, acc); acc = fma(x_even, w_even, acc)
-template <int R, int J>
-inline void panel_block_widened(const Rows<at::BFloat16>& x, int64_t r0, const at::BFloat16* panels, int64_t n,
-                                int64_t p0, at::BFloat16* out, const at::BFloat16* bias) {
-  const int64_t steps = x.steps;
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  V16 acc[R][J];
+// bf16: pair step i of J panels (w: the first panel's steps, `stride` words from one panel to the next) for R rows
+// into the chains acc: one dot product per pair, or (WIDE) the high then the low input's fma
+template <int R, int J, bool WIDE>
+inline void pair_step(const Rows<at::BFloat16>& x, int64_t r0, const uint32_t* w, int64_t stride, int64_t i,
+                      V16 (&acc)[R][J]) {
+  if constexpr (WIDE) {
+    V16 high[J], low[J];
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) V16::split_pairs(w + j * stride + i * LANES, high[j], low[j]);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const float* xp = x.f.data() + ((r0 + r) * x.steps + i) * 2;
+      const V16 xh = V16::splat(xp[0]), xl = V16::splat(xp[1]);
+#pragma GCC unroll 4
+      for (int j = 0; j < J; ++j) acc[r][j] = acc[r][j].fma(xh, high[j]).fma(xl, low[j]);
+    }
+  } else {
+#if defined(LOSSLESS_DPBF16)
+    __m512i wv[J];
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) wv[j] = _mm512_loadu_si512(w + j * stride + i * LANES);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const uint32_t xr = x.pairs[(r0 + r) * x.steps + i];
+#pragma GCC unroll 4
+      for (int j = 0; j < J; ++j) acc[r][j] = acc[r][j].dot_pairs(xr, wv[j]);
+    }
+#else
+    TORCH_CHECK(false, "pair_step: no dot-product instruction in this variant");
+#endif
+  }
+}
+
+// bf16: R rows x J panels in the AMX order: per chunk of 16 steps the chains e (even steps) and o (odd steps) from
+// +0, then sum = sum + (e + o)
+template <int R, int J, bool WIDE, bool TALL>
+inline void pair_block(const Rows<at::BFloat16>& x, int64_t r0, const Weight<at::BFloat16>& wt, int64_t p0) {
+  const int64_t steps = x.steps, stride = steps * LANES;
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(wt.packed) + p0 * stride;
+  alignas(64) float sums[R][J][LANES];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < J; ++j) acc[r][j] = V16::zero();
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(panels) + p0 * steps * LANES;
-  for (int64_t i = 0; i < steps; ++i) {
-    V16 even[J], odd[J];
+    for (int j = 0; j < J; ++j) start_sum(wt, r0 + r, p0 + j).store(sums[r][j]);
+  for (int64_t c = 0; c < steps; c += CHUNK_STEPS) {
+    V16 e[R][J], o[R][J];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < J; ++j) {
-      const __m512i v = _mm512_loadu_si512(w + (j * steps + i) * LANES);
-      even[j] = {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))};
-      odd[j] = {_mm512_castsi512_ps(_mm512_and_si512(v, high))};
+      for (int j = 0; j < J; ++j) e[r][j] = o[r][j] = V16::zero();
+    for (int64_t i = c; i < c + CHUNK_STEPS; i += 2) {
+      prefetch_panels<J, TALL>(w + i * LANES, steps);
+      prefetch_panels<J, TALL>(w + (i + 1) * LANES, steps);
+      pair_step<R, J, WIDE>(x, r0, w, stride, i, e);
+      pair_step<R, J, WIDE>(x, r0, w, stride, i + 1, o);
     }
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const float* xp = x.f.data() + ((r0 + r) * steps + i) * 2;
-      const V16 xo = V16::splat(xp[0]), xe = V16::splat(xp[1]);
+    for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-      for (int j = 0; j < J; ++j) acc[r][j] = acc[r][j].fma(xo, odd[j]).fma(xe, even[j]);
-    }
+      for (int j = 0; j < J; ++j) V16::load(sums[r][j]).add(e[r][j].add(o[r][j])).store(sums[r][j]);
   }
-  store_block<R, J>(acc, r0, n, p0, out, bias);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) store_sum(wt, r0 + r, p0 + j, sums[r][j]);
 }
 
-// panel_block_widened<rows, J> for rows in 1..R
-template <int R, int J>
-inline void widened_rows(int rows, const Rows<at::BFloat16>& x, int64_t r, const at::BFloat16* panels, int64_t n,
-                         int64_t p, at::BFloat16* out, const at::BFloat16* bias) {
-  if (rows == R) return panel_block_widened<R, J>(x, r, panels, n, p, out, bias);
-  if constexpr (R > 1) return widened_rows<R - 1, J>(rows, x, r, panels, n, p, out, bias);
-  TORCH_CHECK(false, "panel_rows: ", rows, " rows");
-}
-#endif
-
-#if defined(LOSSLESS_DPBF16)
-// Tall blocks: up to RT rows through 2 panels (24 accumulators, as RB x JB): a call of more than RB rows reads
-// each weight vector for twice as many rows while it streams from memory, so fewer rows are left for blocks
-// that read the panels again from cache.
-constexpr int RT = 12;
-template <int R, int J>
-inline void tall_rows(int rows, const Rows<at::BFloat16>& x, int64_t r, const at::BFloat16* panels, int64_t n,
-                      int64_t p, at::BFloat16* out, const at::BFloat16* bias) {
-  if (rows == R) return panel_block<R, J>(x, r, panels, n, p, out, bias);
-  if constexpr (R > RB + 1) return tall_rows<R - 1, J>(rows, x, r, panels, n, p, out, bias);
-  TORCH_CHECK(false, "tall_rows: ", rows, " rows");
-}
-#endif
-
-// a block of `rows` (1..RB, widened 1..RW, tall RB+1..RT) rows from row r through panels p..p+J-1
-template <int J, typename T>
-inline void panel_rows(int rows, const Rows<T>& x, int64_t r, const T* panels, int64_t n, int64_t p, T* out,
-                       const T* bias) {
-#if defined(LOSSLESS_V16_AVX512)
-  if constexpr (PAIRED<T>) {
-    if (x.widened) {
-      widened_rows<RW, J>(rows, x, r, panels, n, p, out, bias);
-      return;
-    }
+// the block of `rows` (1..R) rows from row r through panels p..p+J-1: fp32/fp16 panel_block, bf16 pair_block
+template <int R, int J, bool WIDE, bool TALL, typename T>
+inline void block_of(int rows, const Rows<T>& x, int64_t r, const Weight<T>& wt, int64_t p) {
+  if (rows == R) {
+    if constexpr (PAIRED<T>) pair_block<R, J, WIDE, TALL>(x, r, wt, p);
+    else panel_block<R, J>(x, r, wt, p);
+    return;
   }
-#endif
-#if defined(LOSSLESS_DPBF16)
-  if constexpr (PAIRED<T> && J <= 2) {
-    if (rows > RB) return tall_rows<RT, J>(rows, x, r, panels, n, p, out, bias);
-  }
-#endif
-  switch (rows) {
-    case 1: panel_block<1, J>(x, r, panels, n, p, out, bias); break;
-    case 2: panel_block<2, J>(x, r, panels, n, p, out, bias); break;
-    case 3: panel_block<3, J>(x, r, panels, n, p, out, bias); break;
-    case 4: panel_block<4, J>(x, r, panels, n, p, out, bias); break;
-#if defined(LOSSLESS_DPBF16)
-    case 5: if constexpr (PAIRED<T>) { panel_block<5, J>(x, r, panels, n, p, out, bias); break; } [[fallthrough]];
-    case 6: if constexpr (PAIRED<T>) { panel_block<6, J>(x, r, panels, n, p, out, bias); break; } [[fallthrough]];
-#endif
-    default: TORCH_CHECK(false, "panel_rows: ", rows, " rows");
-  }
+  if constexpr (R > 1) return block_of<R - 1, J, WIDE, TALL>(rows, x, r, wt, p);
+  TORCH_CHECK(false, "linear: a block of ", rows, " rows");
 }
 
-// the most rows one block takes: RB where the dot-product instruction runs (bf16), 4 elsewhere
-template <typename T> constexpr int block_rows() { return PAIRED<T> ? RB : 4; }
-
-template <int J, typename T>
-inline void panel_all_rows(const Rows<T>& x, int64_t m, const T* panels, int64_t n, int64_t p, T* out, const T* bias,
-                           int64_t most) {
-  // every row block reads these J panels while they sit in L2: the weights leave memory once per call
-  const int64_t blocks = (m + most - 1) / most;
+// panels p..p+J-1 for all m rows, in blocks of at most R rows: every block reads these J panels while they sit in
+// L2, so the weights leave memory once per call
+template <int R, int J, bool WIDE, bool TALL, typename T>
+inline void panel_all_rows(const Rows<T>& x, int64_t m, const Weight<T>& wt, int64_t p) {
+  const int64_t blocks = (m + R - 1) / R;
   int64_t r = 0;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t rows = (m - r) / (blocks - b);  // the rows left, split evenly over the blocks left
-    panel_rows<J>(static_cast<int>(rows), x, r, panels, n, p, out, bias);
+    block_of<R, J, WIDE, TALL>(static_cast<int>(rows), x, r, wt, p);
     r += rows;
   }
 }
 
-// panels p0..p1-1 of one packed weight, for all rows
-template <typename T>
-inline void panel_range(const Rows<T>& rows, int64_t m, const T* wp, int64_t n, int64_t p0, int64_t p1, T* op,
-                        const T* bp) {
+// panels p0..p1-1 of one weight, J at a time (the last ones one by one), blocks of at most R rows
+template <int R, int J, bool WIDE, bool TALL, typename T>
+inline void panels_by(const Rows<T>& x, int64_t m, const Weight<T>& wt, int64_t p0, int64_t p1) {
   int64_t p = p0;
-  const int64_t most = rows.widened ? RW : block_rows<T>();
-  if (rows.widened) {
-    for (; p + JW <= p1; p += JW) panel_all_rows<JW>(rows, m, wp, n, p, op, bp, most);
-  } else {
-#if defined(LOSSLESS_DPBF16)
-    if constexpr (PAIRED<T>) {
-      if (m > RB && tall_blocks()) {
-        for (; p + 2 <= p1; p += 2) panel_all_rows<2>(rows, m, wp, n, p, op, bp, RT);
-        for (; p < p1; ++p) panel_all_rows<1>(rows, m, wp, n, p, op, bp, RT);
-        return;
-      }
-    }
-#endif
-    for (; p + JB <= p1; p += JB) panel_all_rows<JB>(rows, m, wp, n, p, op, bp, most);
-  }
-  for (; p < p1; ++p) panel_all_rows<1>(rows, m, wp, n, p, op, bp, most);
+  for (; p + J <= p1; p += J) panel_all_rows<R, J, WIDE, TALL>(x, m, wt, p);
+  for (; p < p1; ++p) panel_all_rows<R, 1, WIDE, TALL>(x, m, wt, p);
 }
 
-// one packed weight of a call: its panels, outputs, where they go and its bias (or null)
-template <typename T>
-struct Weight {
-  const T* packed;
-  int64_t n, panels;
-  T* out;
-  const T* bias;
+#if defined(LOSSLESS_AMX)
+// ------------------------------------------------------------------------------------------- AMX tiles
+// TDPBF16PS multiplies a tile of 16 rows x 32 bf16 inputs (A) by one of 16 input pairs x 16 outputs (B, pair i of
+// output n at row i, lane n: inputs 2i low, 2i + 1 high) into 16 x 16 fp32 sums (C), one chunk of 32 inputs per
+// instruction, in the order above. Tiles: C in tmm0..3 (four panels), A in tmm4, B in tmm5..7. The tile
+// instructions are written as inline assembly that says which memory it reads and writes (the compiler's own
+// macros do not, and GCC 12's `_tile_loadconfig` declares an 8-byte operand for the 64-byte configuration).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
 };
+
+inline void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.bytes_per_row[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  __asm__ __volatile__("ldtilecfg %0" : : "m"(cfg) : "memory");
+}
+inline void amx_release() { __asm__ __volatile__("tilerelease" ::: "memory"); }
+#define LOSSLESS_TILE_LOAD(t, base, stride) \
+  __asm__ __volatile__("tileloadd (%0,%1,1), %%tmm" #t : : "r"(base), "r"(static_cast<int64_t>(stride)) : "memory")
+#define LOSSLESS_TILE_STORE(t, base, stride) \
+  __asm__ __volatile__("tilestored %%tmm" #t ", (%0,%1,1)" : : "r"(base), "r"(static_cast<int64_t>(stride)) : "memory")
+#define LOSSLESS_TILE_ZERO(t) __asm__ __volatile__("tilezero %%tmm" #t ::: "memory")
+#define LOSSLESS_TILE_DP(c, a, b) __asm__ __volatile__("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::: "memory")
+
+// One chunk's 16 pair steps of one panel (parity pairs, see above) as a B tile in the instruction's own order:
+// row 2q = inputs (4q, 4q + 1) = (step 2q's high, step 2q + 1's high); row 2q + 1 = (4q + 2, 4q + 3) = the lows.
+inline void b_tile(const uint32_t* steps, uint32_t* tile) {
+  const __mmask32 high = 0xAAAAAAAAu;  // the high half of each 32-bit pair
+#pragma GCC unroll 8
+  for (int q = 0; q < 8; ++q) {
+    const __m512i even = _mm512_loadu_si512(steps + 2 * q * LANES), odd = _mm512_loadu_si512(steps + (2 * q + 1) * LANES);
+    _mm512_store_si512(tile + 2 * q * LANES, _mm512_mask_blend_epi16(high, _mm512_srli_epi32(even, 16), odd));
+    _mm512_store_si512(tile + (2 * q + 1) * LANES, _mm512_mask_blend_epi16(high, even, _mm512_slli_epi32(odd, 16)));
+  }
+}
+
+// C tile t from the sums the chains start from (zeros, or the weight's init for rows r0.. of panel p)
+template <int T>
+inline void amx_start(const Weight<at::BFloat16>& wt, int64_t m, int64_t r0, int64_t p, float* buf) {
+  if (!wt.init) {
+    if constexpr (T == 0) LOSSLESS_TILE_ZERO(0);
+    if constexpr (T == 1) LOSSLESS_TILE_ZERO(1);
+    if constexpr (T == 2) LOSSLESS_TILE_ZERO(2);
+    if constexpr (T == 3) LOSSLESS_TILE_ZERO(3);
+    return;
+  }
+  for (int64_t r = 0; r < 16; ++r)
+    (r0 + r < m ? start_sum(wt, r0 + r, p) : V16::zero()).store(buf + r * LANES);
+  if constexpr (T == 0) LOSSLESS_TILE_LOAD(0, buf, 64);
+  if constexpr (T == 1) LOSSLESS_TILE_LOAD(1, buf, 64);
+  if constexpr (T == 2) LOSSLESS_TILE_LOAD(2, buf, 64);
+  if constexpr (T == 3) LOSSLESS_TILE_LOAD(3, buf, 64);
+}
+
+template <int T>
+inline void amx_finish(const Weight<at::BFloat16>& wt, int64_t m, int64_t r0, int64_t p, float* buf) {
+  if constexpr (T == 0) LOSSLESS_TILE_STORE(0, buf, 64);
+  if constexpr (T == 1) LOSSLESS_TILE_STORE(1, buf, 64);
+  if constexpr (T == 2) LOSSLESS_TILE_STORE(2, buf, 64);
+  if constexpr (T == 3) LOSSLESS_TILE_STORE(3, buf, 64);
+  for (int64_t r = 0; r < 16 && r0 + r < m; ++r) store_sum(wt, r0 + r, p, buf + r * LANES);
+}
+
+// J (1..4) panels from p for all m rows: their B tiles built once, then each 16-row tile of x through them
+template <int J>
+inline void amx_panels(const Rows<at::BFloat16>& x, int64_t m, const Weight<at::BFloat16>& wt, int64_t p,
+                       std::vector<uint32_t>& b, float* buf) {
+  const int64_t steps = x.steps, chunks = steps / CHUNK_STEPS, tile_words = CHUNK_STEPS * LANES;
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(wt.packed) + p * steps * LANES;
+  b.resize(static_cast<size_t>(J * chunks * tile_words + LANES));
+  uint32_t* bt = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(b.data()) + 63) & ~uintptr_t(63));
+  for (int j = 0; j < J; ++j)
+    for (int64_t c = 0; c < chunks; ++c) b_tile(w + (j * steps + c * CHUNK_STEPS) * LANES, bt + (j * chunks + c) * tile_words);
+  const int64_t a_stride = steps * 2 * 2;  // bytes from one row of x to the next
+  for (int64_t r0 = 0; r0 < m; r0 += 16) {
+    const uint16_t* a = x.tiles.data() + r0 * steps * 2;
+    amx_start<0>(wt, m, r0, p, buf);
+    if constexpr (J > 1) amx_start<1>(wt, m, r0, p + 1, buf);
+    if constexpr (J > 2) amx_start<2>(wt, m, r0, p + 2, buf);
+    if constexpr (J > 3) amx_start<3>(wt, m, r0, p + 3, buf);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const uint16_t* ac = a + c * 32;
+      const uint32_t* bc = bt + c * tile_words;
+      LOSSLESS_TILE_LOAD(4, ac, a_stride);
+      LOSSLESS_TILE_LOAD(5, bc, 64);
+      LOSSLESS_TILE_DP(0, 4, 5);
+      if constexpr (J > 1) { LOSSLESS_TILE_LOAD(6, bc + chunks * tile_words, 64); LOSSLESS_TILE_DP(1, 4, 6); }
+      if constexpr (J > 2) { LOSSLESS_TILE_LOAD(7, bc + 2 * chunks * tile_words, 64); LOSSLESS_TILE_DP(2, 4, 7); }
+      if constexpr (J > 3) { LOSSLESS_TILE_LOAD(5, bc + 3 * chunks * tile_words, 64); LOSSLESS_TILE_DP(3, 4, 5); }
+    }
+    amx_finish<0>(wt, m, r0, p, buf);
+    if constexpr (J > 1) amx_finish<1>(wt, m, r0, p + 1, buf);
+    if constexpr (J > 2) amx_finish<2>(wt, m, r0, p + 2, buf);
+    if constexpr (J > 3) amx_finish<3>(wt, m, r0, p + 3, buf);
+  }
+}
+
+// panels p0..p1-1 of one weight on AMX tiles, four at a time, in the thread that calls (its tile state is its own)
+inline void amx_range(const Rows<at::BFloat16>& x, int64_t m, const Weight<at::BFloat16>& wt, int64_t p0, int64_t p1) {
+  thread_local std::vector<uint32_t> b;
+  alignas(64) float buf[16 * LANES];
+  amx_configure();
+  int64_t p = p0;
+  for (; p + 4 <= p1; p += 4) amx_panels<4>(x, m, wt, p, b, buf);
+  for (; p < p1; ++p) amx_panels<1>(x, m, wt, p, b, buf);
+  amx_release();
+}
+#endif
+
+// panels p0..p1-1 of one packed weight, for all rows
+template <typename T>
+inline void panel_range(const Rows<T>& x, int64_t m, const Weight<T>& wt, int64_t p0, int64_t p1) {
+  if constexpr (PAIRED<T>) {
+#if defined(LOSSLESS_AMX)
+    if (x.amx) return amx_range(x, m, wt, p0, p1);
+#endif
+    if (x.widened) {
+      if (m <= 2) return panels_by<2, JS, true, false>(x, m, wt, p0, p1);
+      return panels_by<RW, JW, true, false>(x, m, wt, p0, p1);
+    }
+#if defined(LOSSLESS_DPBF16)
+    if (m <= 2) return panels_by<2, 4, false, false>(x, m, wt, p0, p1);
+    if (m > RB && tall_blocks()) return panels_by<RT, 1, false, true>(x, m, wt, p0, p1);
+    return panels_by<RB, JB, false, false>(x, m, wt, p0, p1);
+#endif
+  } else {
+    panels_by<RF, JF, false, false>(x, m, wt, p0, p1);
+  }
+}
 
 // panels g0..g1-1 of the weights' panels counted one weight after another, for all m rows
 template <typename T>
@@ -580,7 +690,7 @@ inline void linear_panels(const Rows<T>& rows, int64_t m, const std::vector<Weig
   int64_t first = 0;
   for (const Weight<T>& w : weights) {
     const int64_t p0 = std::max(g0, first) - first, p1 = std::min(g1, first + w.panels) - first;
-    if (p0 < p1) panel_range(rows, m, w.packed, w.n, p0, p1, w.out, w.bias);
+    if (p0 < p1) panel_range(rows, m, w, p0, p1);
     first += w.panels;
   }
 }
@@ -588,21 +698,19 @@ inline void linear_panels(const Rows<T>& rows, int64_t m, const std::vector<Weig
 // x [m, k] through several packed weights (one call's q, k and v, or gate and up): one parallel region over all
 // their panels, each output the chain a call of its own computes.
 template <typename T>
-void linear_impl(const at::Tensor& x, const std::vector<at::Tensor>& packed, const std::vector<int64_t>& n,
-                 const std::vector<const T*>& bias, std::vector<at::Tensor>& out) {
+void linear_impl(const at::Tensor& x, const std::vector<at::Tensor>& packed, std::vector<Weight<T>> weights) {
   const FlushDenormals flush;
   const int64_t m = x.size(0), k = x.size(1);
   const Rows<T> rows(x.data_ptr<T>(), m, k);
-  std::vector<int64_t> start(packed.size() + 1, 0);
+  int64_t total = 0;
   for (size_t w = 0; w < packed.size(); ++w) {
     TORCH_CHECK(packed[w].numel() == packed[w].size(0) * rows.steps * LANES * (PAIRED<T> ? 2 : 1),
                 "linear: the packed weight does not match x (pack it with kernels.pack_weight)");
-    start[w + 1] = start[w] + packed[w].size(0);
+    weights[w].packed = packed[w].data_ptr<T>();
+    weights[w].panels = packed[w].size(0);
+    total += weights[w].panels;
   }
-  std::vector<Weight<T>> weights;
-  for (size_t w = 0; w < packed.size(); ++w)
-    weights.push_back({packed[w].data_ptr<T>(), n[w], packed[w].size(0), out[w].data_ptr<T>(), bias[w]});
-  at::parallel_for(0, start.back(), 4, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, total, 4, [&](int64_t g0, int64_t g1) {
     const FlushDenormals flush_here;  // the rule holds in the thread that does the work
     linear_panels(rows, m, weights, g0, g1);
   });
@@ -1287,6 +1395,73 @@ int64_t stream(const std::vector<at::Tensor>& tensors) {
   return static_cast<int64_t>(all);
 }
 
+#if defined(LOSSLESS_AMX)
+// Seconds (the best of 5, this thread) for m rows x k inputs through `panels` panels of w, on AMX tiles or not
+inline double product_seconds(int64_t m, bool amx, const std::vector<at::BFloat16>& w, int64_t k, int64_t panels) {
+  const int64_t saved = amx_rows();
+  amx_rows() = amx ? 1 : INT64_MAX;
+  std::vector<at::BFloat16> x(static_cast<size_t>(m * k)), out(static_cast<size_t>(m * panels * LANES));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = at::BFloat16(0.125f * static_cast<float>(static_cast<int>(i * 7 % 13) - 6));
+  const Rows<at::BFloat16> rows(x.data(), m, k);
+  amx_rows() = saved;
+  const Weight<at::BFloat16> wt{w.data(), panels * LANES, panels, out.data(), nullptr};
+  double best = 1e9;
+  for (int t = 0; t < 5; ++t) {
+    const auto start = std::chrono::steady_clock::now();
+    panel_range(rows, m, wt, 0, panels);
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  return best;
+}
+#endif
+
+// Measure once which bf16 path is faster on this core and take it (the variant with the dot-product instruction;
+// elsewhere the one path there is). A widened pair costs two fmas where the instruction costs one: it pays where
+// the fma's throughput is at least 3x the instruction's. With AMX: from how many rows tiles beat that path (an
+// M x 576 x 1536 product; tiles are taken from the fewest rows from which they are faster at every count tried).
+// Every path gives the same bits. Returns whether products run widened.
+bool choose_bf16_path() {
+  const FlushDenormals flush;
+#if defined(LOSSLESS_DPBF16)
+  double dot = 1e9, fma = 1e9;
+  for (int t = 0; t < 3; ++t) {  // the best of three (about a millisecond each)
+    dot = std::min(dot, chain_seconds(true, 40000));
+    fma = std::min(fma, chain_seconds(false, 40000));
+  }
+  widen_bf16() = dot >= 3.0 * fma;
+#endif
+#if defined(LOSSLESS_AMX)
+  const int64_t k = 576, panels = 96;
+  std::vector<at::BFloat16> w(static_cast<size_t>(panels * k * LANES));
+  for (size_t i = 0; i < w.size(); ++i) w[i] = at::BFloat16(0.0625f * static_cast<float>(static_cast<int>(i * 5 % 11) - 5));
+  int64_t from = INT64_MAX;
+  for (const int64_t m : {16, 8, 6, 4, 3, 2, 1}) {
+    if (product_seconds(m, true, w, k, panels) >= product_seconds(m, false, w, k, panels)) break;
+    from = m;
+  }
+  amx_rows() = from;
+#endif
+  return widen_bf16();
+}
+
+// The fewest rows a bf16 call takes AMX tiles from (0: this variant has none); set_amx_rows sets it (tests, speed
+// only: the same bits either way) and returns it.
+int64_t amx_min_rows() {
+#if defined(LOSSLESS_AMX)
+  return amx_rows() == INT64_MAX ? -1 : amx_rows();
+#else
+  return 0;
+#endif
+}
+int64_t set_amx_rows(int64_t rows) {
+#if defined(LOSSLESS_AMX)
+  amx_rows() = rows < 1 ? INT64_MAX : rows;
+#else
+  (void)rows;
+#endif
+  return amx_min_rows();
+}
+
 std::vector<at::Tensor> linear_many(const at::Tensor& x, const std::vector<at::Tensor>& packed,
                                     const std::vector<int64_t>& n, const std::vector<c10::optional<at::Tensor>>& bias) {
   TORCH_CHECK(packed.size() == n.size() && packed.size() == bias.size(), "linear: one n and bias per weight");
@@ -1296,15 +1471,32 @@ std::vector<at::Tensor> linear_many(const at::Tensor& x, const std::vector<at::T
     out.push_back(at::empty({x.size(0), n[w]}, x.options()));
   }
   DISPATCH(x.scalar_type(), "linear", {
-    std::vector<const scalar*> b;
-    for (const auto& t : bias) b.push_back(t.has_value() ? t->data_ptr<scalar>() : nullptr);
-    linear_impl<scalar>(x, packed, n, b, out);
+    std::vector<Weight<scalar>> weights;
+    for (size_t w = 0; w < packed.size(); ++w)
+      weights.push_back({nullptr, n[w], 0, out[w].data_ptr<scalar>(),
+                         bias[w].has_value() ? bias[w]->data_ptr<scalar>() : nullptr});
+    linear_impl<scalar>(x, packed, weights);
   });
   return out;
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
   return linear_many(x, {packed}, {n}, {bias})[0];
+}
+
+// The fp32 product-sums of `linear` before any rounding to x's dtype, each chain started from init [m, n] (fp32)
+// instead of +0: the order itself, as the tests check it against AMX's recorded outputs.
+at::Tensor linear_sums(const at::Tensor& x, const at::Tensor& packed, int64_t n, const at::Tensor& init) {
+  check_linear(x, packed, n, c10::nullopt);
+  check_cpu(init, "init");
+  TORCH_CHECK(init.scalar_type() == at::kFloat && init.dim() == 2 && init.size(0) == x.size(0) && init.size(1) == n,
+              "linear_sums: init fp32 [m, n]");
+  at::Tensor sums = at::empty({x.size(0), n}, init.options());
+  DISPATCH(x.scalar_type(), "linear_sums", {
+    Weight<scalar> w{nullptr, n, 0, nullptr, nullptr, sums.data_ptr<float>(), init.data_ptr<float>()};
+    linear_impl<scalar>(x, {packed}, {w});
+  });
+  return sums;
 }
 
 at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -1681,8 +1873,9 @@ struct StackRun {
       linear(rows_h, {weight(L.packed_out[1], L.bias_out[1], inter, g.data()),
                       weight(L.packed_out[2], L.bias_out[2], inter, u.data())}, t, threads);
       sync();
-      // 9. SiLU(gate) (the kernel's) * up (ATen's rounding), and down's input, by pair steps of the rows
-      share(m * rows_act.steps, t, threads, 1, b, e);
+      // 9. SiLU(gate) (the kernel's) * up (ATen's rounding), and down's input, by pair steps of the rows (bf16: two
+      // steps at a time, the four inputs of a group, as the columns computed here are a range)
+      share(m * rows_act.steps, t, threads, PAIRED<T> ? 2 : 1, b, e);
       {
         const int64_t per = PAIRED<T> ? 2 : 1, steps = rows_act.steps;  // columns per step
         for (int64_t s0 = b; s0 < e;) {  // the steps of one row at a time

@@ -5,21 +5,24 @@
 // vector width of the CPU never change it. That is what makes a verify block's rows bitwise equal to the
 // same rows decoded one at a time, trees and fused forwards included.
 //
-// How: every output is one chain of operations in a fixed order. A linear output is one fma chain over its
-// inputs in order (weights packed in panels of 16 outputs, so 16 chains advance side by side in one vector);
-// an attention score is one fma chain over the head dim (16 keys side by side), an attention output one fma
-// chain over the visible keys in cache order; a sum over keys or a norm's sum of squares runs over a logical
-// 16-lane accumulator (lane l takes elements l, l+16, ..., the lanes then added in a fixed tree), elements past
-// the end counting as zeros; exp is our own polynomial. `V16` does every lane operation correctly rounded (fma
-// included) whether it maps to one AVX-512 register, two AVX2 registers or a plain loop, and the file is built
-// with -ffp-contract=off and without -ffast-math (no reassociation, no fused multiply-add but the explicit
-// ones); blocking and threading only decide which chains advance together.
+// How: every output is one chain of operations in a fixed order. An fp32 or fp16 linear output is one fma chain
+// over its inputs in order; a bf16 one follows the order of AMX's tile dot product (per chunk of 32 inputs, an
+// fma chain over the chunk's even inputs and one over its odd inputs, each from +0, then sum + (even + odd)),
+// which AMX computes in hardware and every other variant with the same roundings (weights packed in panels of 16
+// outputs, so 16 chains advance side by side in one vector); an attention score is one fma chain over the head
+// dim (16 keys side by side), an attention output one fma chain over the visible keys in cache order; a sum over
+// keys or a norm's sum of squares runs over a logical 16-lane accumulator (lane l takes elements l, l+16, ..., the
+// lanes then added in a fixed tree), elements past the end counting as zeros; exp is our own polynomial. `V16` does
+// every lane operation correctly rounded (fma included) whether it maps to one AVX-512 register, two AVX2 registers
+// or a plain loop, and the file is built with -ffp-contract=off and without -ffast-math (no reassociation, no fused
+// multiply-add but the explicit ones); blocking and threading only decide which chains advance together.
 //
 // Three rules make those chains give the same bits on every machine, not only within one:
-// - Variants side by side. `exact_isa.h` holds the kernels once and is compiled here four times, each in its
-//   own namespace under its own `#pragma GCC target`: avx512bf16 (AVX-512 with the BF16 dot product),
-//   avx512, avx2 and scalar (plain loops; hardware fma). Python picks one per call (LOSSLESS_EXACT_ISA), so
-//   any machine can run, and the tests compare, every variant its CPU can execute.
+// - Variants side by side. `exact_isa.h` holds the kernels once and is compiled here five times, each in its
+//   own namespace under its own `#pragma GCC target`: amx (avx512bf16's kernels, bf16 calls of enough rows on AMX
+//   tiles), avx512bf16 (AVX-512 with the BF16 dot product), avx512, avx2 and scalar (plain loops; hardware fma).
+//   Python picks one per call (LOSSLESS_EXACT_ISA), so any machine can run, and the tests compare, every variant
+//   its CPU can execute; AMX's own recorded outputs check the order on machines without it.
 // - One denormal rule: subnormal inputs read as zero and subnormal results are flushed to zero (sign kept).
 //   It is the rule VDPBF16PS applies whatever MXCSR says; every kernel sets MXCSR's FTZ and DAZ bits in the
 //   thread that does the work (inside each parallel chunk, restored after), so the plain fmas of the other
@@ -39,11 +42,18 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cerrno>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -162,6 +172,19 @@ void check_rms_norm(const at::Tensor& x, const at::Tensor& w) {
 #if defined(LOSSLESS_X86)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,bmi,bmi2")
+namespace isa_amx {  // avx512bf16's kernels, with bf16 calls of enough rows on AMX tiles (inline assembly)
+#define LOSSLESS_V16_AVX512 1
+#define LOSSLESS_DPBF16 1
+#define LOSSLESS_AMX 1
+#include "exact_isa.h"
+#undef LOSSLESS_AMX
+#undef LOSSLESS_DPBF16
+#undef LOSSLESS_V16_AVX512
+}  // namespace isa_amx
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,bmi,bmi2")
 namespace isa_avx512bf16 {
 #define LOSSLESS_V16_AVX512 1
 #define LOSSLESS_DPBF16 1
@@ -204,6 +227,9 @@ namespace isa_scalar {
 #define LOSSLESS_DEF_VARIANT(m, NS)                                                                               \
   do {                                                                                                            \
     auto sub = m.def_submodule(#NS);                                                                              \
+    sub.def("linear_sums", &isa_##NS::linear_sums, "linear's fp32 product-sums, each chain from init [m, n]");     \
+    sub.def("amx_min_rows", &isa_##NS::amx_min_rows, "the fewest rows a bf16 call runs on AMX tiles from (0: none)"); \
+    sub.def("set_amx_rows", &isa_##NS::set_amx_rows, "AMX tiles from this many rows on (< 1: never); speed only");  \
     sub.def("linear", &isa_##NS::linear, "x [m, k] @ weight[n, k]^T (+ bias) from a packed weight, each output one chain"); \
     sub.def("attention", &isa_##NS::attention, "softmax attention over each row's visible keys, in key order");   \
     sub.def("rms_norm", &isa_##NS::rms_norm, "Llama/Qwen RMSNorm, statistics in a fixed order");                  \
@@ -223,8 +249,26 @@ namespace isa_scalar {
              pybind11::call_guard<pybind11::gil_scoped_release>());                                              \
   } while (0)
 
+// Ask Linux for the AMX tile state, once per process, before any thread uses a tile: "" when granted (or granted
+// before), else why not, in a few words.
+std::string request_amx() {
+#if defined(LOSSLESS_X86) && defined(__linux__)
+  constexpr long GET_PERM = 0x1022, REQ_PERM = 0x1023, XTILEDATA = 18;  // arch_prctl's ARCH_{GET,REQ}_XCOMP_PERM
+  if (syscall(SYS_arch_prctl, REQ_PERM, XTILEDATA) != 0)
+    return std::string("Linux refused the AMX tile state (arch_prctl: ") + std::strerror(errno) + ")";
+  uint64_t granted = 0;
+  if (syscall(SYS_arch_prctl, GET_PERM, &granted) != 0 || !(granted & (1ull << XTILEDATA)))
+    return "Linux did not grant the AMX tile state";
+  return "";
+#else
+  return "AMX tiles need Linux on x86-64";
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("request_amx", &request_amx, "ask Linux for the AMX tile state: '' when granted, else why not");
 #if defined(LOSSLESS_X86)
+  LOSSLESS_DEF_VARIANT(m, amx);
   LOSSLESS_DEF_VARIANT(m, avx512bf16);
   LOSSLESS_DEF_VARIANT(m, avx512);
   LOSSLESS_DEF_VARIANT(m, avx2);

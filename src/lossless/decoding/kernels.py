@@ -5,9 +5,11 @@ operations that depends only on the inputs it reads (see the C++ file's header),
 depend on how many rows share a call, where it sits among them, the thread count, the CPU's vector width or
 the instruction-set variant that runs it.
 
-The extension holds every variant (`ISAS`: avx512bf16, avx512, avx2, scalar) side by side. Each call runs the
-variant `isa()` names: `LOSSLESS_EXACT_ISA`, else the best this CPU can execute; `use_isa(name)` switches it for
-a block (how the tests compare variants in one process). A variant the CPU cannot run is refused in one line.
+The extension holds every variant (`ISAS`: amx, avx512bf16, avx512, avx2, scalar) side by side. Each call runs
+the variant `isa()` names: `LOSSLESS_EXACT_ISA`, else the best this CPU can execute; `use_isa(name)` switches it
+for a block (how the tests compare variants in one process). A variant the CPU cannot run is refused in one line.
+bf16 products follow AMX's own order in every variant (`pack_weight`), so AMX tiles, where a CPU has them, give
+the bits every other CPU gives.
 
 The extension is compiled on first use with the machine's C++ compiler (torch's JIT extension builder) and
 cached under `$LOSSLESS_CACHE/kernels/<hash>`: the hash covers the sources, the flags and the torch version
@@ -41,8 +43,10 @@ SOURCES = (Path(__file__).with_name("exact_kernels.cpp"), Path(__file__).with_na
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
 
 # Variants, fastest first, and the CPU flags (/proc/cpuinfo names) each needs.
-ISAS = ("avx512bf16", "avx512", "avx2", "scalar")
-_NEEDS = {"avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx2", "fma", "f16c", "bmi2"},
+ISAS = ("amx", "avx512bf16", "avx512", "avx2", "scalar")
+_NEEDS = {"amx": {"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx2", "fma",
+                  "f16c", "bmi2"},
+          "avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx2", "fma", "f16c", "bmi2"},
           "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c", "bmi2"},
           "avx2": {"avx2", "fma", "f16c", "bmi2"},
           "scalar": {"fma"}}
@@ -75,11 +79,21 @@ def cpu_model() -> str:
 
 
 def runnable_isas() -> list[str]:
-    """The variants this CPU can execute, fastest first (outside x86-64: the scalar one)."""
+    """The variants this CPU can execute, fastest first (outside x86-64: the scalar one). `amx` needs the CPU's
+    tiles and the operating system's leave to use them (asked for once per process)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return ["scalar"]
     flags = cpu_flags()
-    return [name for name in ISAS if _NEEDS[name] <= flags]
+    return [name for name in ISAS if _NEEDS[name] <= flags and (name != "amx" or not amx_refusal())]
+
+
+@lru_cache(maxsize=1)
+def amx_refusal() -> str:
+    """Why this process may not use AMX tiles ('' when it may): the CPU lacks them, or Linux refused the tile
+    state (asked for once, before any thread uses a tile)."""
+    if platform.machine() not in ("x86_64", "AMD64") or not _NEEDS["amx"] <= cpu_flags():
+        return "this CPU has no AMX tiles (amx_tile, amx_bf16)"
+    return str(_compiled().request_amx())
 
 
 _ISA: ContextVar[str | None] = ContextVar("lossless_exact_isa", default=None)
@@ -100,7 +114,8 @@ def _resolve(name: str | None) -> str:
     if name not in ISAS:
         raise LosslessError(f"{ISA_ENV}={name} is not a kernel variant: choose one of {', '.join(ISAS)}")
     if name not in runnable:
-        raise LosslessError(f"{ISA_ENV}={name}: this CPU cannot run that variant (it can run "
+        why = f"{amx_refusal()}; " if name == "amx" and _NEEDS["amx"] <= cpu_flags() else ""
+        raise LosslessError(f"{ISA_ENV}={name}: this CPU cannot run that variant ({why}it can run "
                             f"{', '.join(runnable) or 'none'})")
     return name
 
@@ -141,10 +156,32 @@ def extension():
     """The compiled extension, every variant in it (built once per machine and source, then loaded). Each
     variant that can compute bf16 products two ways (the dot-product instruction, or widened fp32 fmas: the same
     bits) times both once here and takes the faster."""
-    ext = build(CFLAGS)
+    ext = _compiled()
     for name in runnable_isas():
         getattr(ext, name).choose_bf16_path()
     return ext
+
+
+def amx_min_rows() -> int | None:
+    """The fewest rows from which the current variant runs bf16 products on AMX tiles (measured when the kernels
+    load), None where it never does."""
+    rows = int(ops().amx_min_rows())
+    return rows if rows > 0 else None
+
+
+@contextmanager
+def amx_rows(rows: int | None):
+    """Within this block the amx variant runs bf16 calls of at least `rows` rows on tiles (None: never; tests and
+    benchmarks: the bits are the same either way)."""
+    variant = extension().amx if "amx" in runnable_isas() else None
+    before = variant.amx_min_rows() if variant else 0
+    if variant:
+        variant.set_amx_rows(rows or 0)
+    try:
+        yield
+    finally:
+        if variant:
+            variant.set_amx_rows(before)
 
 
 def bf16_widened() -> bool:
@@ -169,6 +206,12 @@ def bf16_path(widened: bool):
 def ops():
     """The kernels of the variant `isa()` names (built on first use)."""
     return getattr(extension(), isa())
+
+
+@lru_cache(maxsize=1)
+def _compiled():
+    """The extension as built, before any variant has measured its paths."""
+    return build(CFLAGS)
 
 
 def build(cflags: list[str]):
@@ -229,16 +272,21 @@ def _sources_in(where: Path) -> list[Path]:
 
 
 PANEL = 16  # outputs per weight panel: the kernels' lane count
+CHUNK = 32  # bf16 inputs per chunk of AMX's order (one tile dot product)
+# bf16: each group of four inputs 4q..4q+3 as two 32-bit pairs of one parity, (4q+2 low, 4q high) then (4q+3 low,
+# 4q+1 high): the memory order of a group, and back
+_PARITY = [2, 0, 3, 1]
+_NATURAL = [1, 3, 0, 2]
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [n, k] -> panels of 16 outputs (outputs past n are zeros), the layout `linear` reads: [ceil(n/16),
-    k, 16], one input's 16 weights side by side, so each output is one fma chain over its inputs in order; in
-    bf16 [ceil(n/16), ceil(k/2), 32], two inputs at a time (k padded with a zero input), the layout of the
-    AVX-512 BF16 dot-product instruction."""
+    """weight [n, k] -> panels of 16 outputs (outputs past n are zeros), the layout `linear` reads: fp32 and fp16
+    [ceil(n/16), k, 16], one input's 16 weights side by side, so each output is one fma chain over its inputs in
+    order; bf16 [ceil(n/16), kp/2, 32] with k padded to kp, a multiple of 32, by zero inputs: 32-bit pairs of inputs
+    of one parity (see exact_isa.h), the layout of the order AMX computes, an even and an odd chain per chunk of 32."""
     n, k = weight.shape
     pairs = weight.dtype == torch.bfloat16
-    kp = k + (k % 2 if pairs else 0)
+    kp = -(-k // CHUNK) * CHUNK if pairs else k
     if n % PANEL == 0 and kp == k:  # nothing to pad: no copy beside the panels (an LM head is a large matrix)
         padded = weight.detach().contiguous()
     else:
@@ -247,14 +295,22 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     panels = padded.view(-1, PANEL, kp)  # [p, 16, kp]
     if not pairs:
         return panels.transpose(1, 2).contiguous()  # [p, k, 16]
-    return panels.view(-1, PANEL, kp // 2, 2).permute(0, 2, 1, 3).reshape(-1, kp // 2, 2 * PANEL).contiguous()
+    groups = panels.view(-1, PANEL, kp // 4, 4)[..., _PARITY]  # [p, 16, groups, 4] in memory order
+    return groups.view(-1, PANEL, kp // 4, 2, 2).permute(0, 2, 3, 1, 4).reshape(-1, kp // 2, 2 * PANEL).contiguous()
+
+
+def _bf16_inputs(pairs: torch.Tensor) -> torch.Tensor:
+    """[..., steps, 2] pair steps of one output (its 32-bit pairs as two bf16, low first) -> [..., 2 * steps]
+    inputs in their own order."""
+    return pairs.reshape(*pairs.shape[:-2], -1, 4)[..., _NATURAL].flatten(-2)
 
 
 def unpack_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The inverse of `pack_weight`: panels -> the weight [n, k], bit for bit (a copy)."""
     panels = packed.shape[0]
-    if packed.dtype == torch.bfloat16:  # [p, kp/2, 32]: two inputs at a time
-        weight = packed.view(panels, packed.shape[1], PANEL, 2).permute(0, 2, 1, 3).reshape(panels * PANEL, -1)
+    if packed.dtype == torch.bfloat16:  # [p, kp/2, 32]: pair steps
+        steps = packed.view(panels, packed.shape[1], PANEL, 2).transpose(1, 2)  # [p, 16, steps, 2]
+        weight = _bf16_inputs(steps).reshape(panels * PANEL, -1)
     else:  # [p, k, 16]
         weight = packed.transpose(1, 2).reshape(panels * PANEL, packed.shape[1])
     return weight[:n, :k].contiguous()
@@ -267,9 +323,9 @@ def embedding_rows(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int) -> t
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
         raise IndexError(f"token ids must lie in 0..{n - 1}")
     panel, lane = torch.div(ids, PANEL, rounding_mode="floor"), ids % PANEL
-    if packed.dtype == torch.bfloat16:  # [p, kp/2, 32]: lane l's inputs 2s and 2s+1 at 2l, 2l+1 of step s
+    if packed.dtype == torch.bfloat16:  # [p, kp/2, 32]: lane l's pair of step s at 2l, 2l+1
         rows = packed.view(packed.shape[0], packed.shape[1], PANEL, 2)[panel, :, lane]  # [*ids, kp/2, 2]
-        return rows.reshape(*ids.shape, 2 * packed.shape[1])[..., :k]
+        return _bf16_inputs(rows)[..., :k]
     return packed[panel, :, lane][..., :k]  # [p, k, 16] -> [*ids, k]
 
 
@@ -278,6 +334,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     out = ops().linear(x.reshape(-1, x.shape[-1]).contiguous(), packed, int(n),
                        None if bias is None else bias.contiguous())
     return out.reshape(*x.shape[:-1], n)
+
+
+def linear_sums(x: torch.Tensor, packed: torch.Tensor, n: int, init: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear`'s fp32 product-sums before rounding to x's dtype, each output's chain started from init [m, n] (fp32;
+    default +0) instead of +0: the order itself (the tests check it against AMX's recorded outputs)."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    start = torch.zeros(x2.shape[0], n) if init is None else init.reshape(x2.shape[0], n).float().contiguous()
+    return ops().linear_sums(x2, packed, int(n), start).reshape(*x.shape[:-1], n)
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,

@@ -1,0 +1,163 @@
+"""bf16 products in AMX's own order, in every kernel variant: per chunk of 32 inputs an fma chain over the even
+inputs and one over the odd inputs, each from +0, then sum + (even + odd). Checked against the outputs AMX's
+TDPBF16PS itself gave (recorded on an Intel Xeon with AMX: `data/amx_tdpbf16ps.bin`, adversarial data, NaN and inf
+included), so a CPU without AMX checks the order the hardware computes; and against a float64 model of the order
+(each fma rounded once, by round-to-odd in float64), over shapes, rows and blocks. Where the CPU has AMX, the
+`amx` variant runs in the same tests, its tiles taking calls from one row on."""
+
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lossless.decoding import kernels
+
+VECTORS = Path(__file__).with_name("data") / "amx_tdpbf16ps.bin"
+VARIANTS = kernels.runnable_isas()
+SLOW = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def recorded_blocks():
+    """Each block of the file: (K, data kind, A [16, K] bf16 bits, B [K, 16] bf16 bits, C0 [16, 16], C [16, 16]),
+    C = C0 + A.B as TDPBF16PS computed it (little-endian: int32 K, int32 kind, A, B, C0, C)."""
+    raw, at, blocks = VECTORS.read_bytes(), 0, []
+    while at < len(raw):
+        k, kind = (int(v) for v in np.frombuffer(raw, np.int32, 2, at))
+        at += 8
+        a = np.frombuffer(raw, np.uint16, 16 * k, at).reshape(16, k)
+        b = np.frombuffer(raw, np.uint16, 16 * k, at + 32 * k).reshape(k, 16)
+        c0, c = (np.frombuffer(raw, np.float32, 256, at + 64 * k + 1024 * i).reshape(16, 16) for i in range(2))
+        blocks.append((k, kind, a, b, c0, c))
+        at += 64 * k + 2048
+    return blocks
+
+
+def bf16(bits: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(bits.astype(np.int16)).view(torch.bfloat16)
+
+
+def variant_settings():
+    """(label, a function making its context managers) for every way this CPU can compute bf16 products: each variant, the dot-product
+    instruction or widened fmas where the variant has both, AMX tiles from one row or never where it has them."""
+    for isa in VARIANTS:
+        for widened in (False, True):
+            yield f"{isa} widened={widened}", lambda isa=isa, wide=widened: [kernels.use_isa(isa), kernels.bf16_path(wide)]
+        if isa == "amx":
+            for rows in (1, None):
+                yield f"amx tiles from {rows} rows", lambda rows=rows: [kernels.use_isa("amx"), kernels.amx_rows(rows)]
+
+
+def run_under(managers, call):
+    with ExitStack() as stack:
+        for manager in managers():
+            stack.enter_context(manager)
+        return call()
+
+
+def same_bits_nan_aside(got: np.ndarray, want: np.ndarray) -> int:
+    """How many outputs differ in their bits, an output NaN on both sides counting as equal (payloads may differ)."""
+    both_nan = np.isnan(got) & np.isnan(want)
+    return int(((got.view(np.int32) != want.view(np.int32)) & ~both_nan).sum())
+
+
+def test_the_recorded_file_holds_every_data_kind_and_width():
+    blocks = recorded_blocks()
+    assert len(blocks) == 64 and {b[0] for b in blocks} == {32, 64, 576, 1536} and len({b[1] for b in blocks}) == 8
+    assert any(np.isnan(b[5]).any() for b in blocks) and any(np.isinf(b[5]).any() for b in blocks)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_variant_reproduces_amx_recorded_outputs(threads):
+    blocks = recorded_blocks()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for label, managers in variant_settings():
+            differ = 0
+            for k, kind, a, b, c0, c in blocks:
+                packed = kernels.pack_weight(bf16(b.T.copy()))
+                got = run_under(managers, lambda: kernels.linear_sums(bf16(a), packed, 16, torch.from_numpy(c0.copy())))
+                differ += same_bits_nan_aside(got.numpy(), c)
+            assert differ == 0, f"{label}: {differ} of {64 * 256} outputs differ from AMX's"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_order_is_not_one_chain():
+    """The recorded outputs tell AMX's order from the kernels' former one (one fma chain per output over the pairs):
+    a test that would pass for either order would check nothing."""
+    k, _, a, b, c0, c = next(blk for blk in recorded_blocks() if blk[0] == 576 and not np.isnan(blk[5]).any())
+    xs, ws = (bf16(t).float().numpy().astype(np.float64) for t in (a, b))
+    chain = np.zeros((16, 16), np.float32)
+    for i in range(k):  # fp32 fmas in input order (rounded once each: round-to-odd in float64, then to fp32)
+        chain = fma32(xs[:, i][:, None] * ws[i][None, :], chain)
+    assert same_bits_nan_aside(chain, (c - c0).astype(np.float32)) > 50  # most outputs of 256 differ
+
+
+# ------------------------------------------------------------------------------------------ a float64 model
+def round_once(exact_hi: np.ndarray, exact_lo: np.ndarray) -> np.ndarray:
+    """fp32 of the exact sum hi + lo (hi = fl64(hi + lo)), rounded once: hi made odd where lo is not zero (round to
+    odd keeps 29 spare bits, so the rounding to fp32 below is the correct one), then rounded to nearest even."""
+    bits = exact_hi.view(np.int64)
+    inexact_even = (exact_lo != 0) & (bits & 1 == 0)
+    toward = np.where(exact_lo > 0, np.inf, -np.inf)
+    odd = np.where(inexact_even, np.nextafter(exact_hi, toward), exact_hi)
+    return flush(odd.astype(np.float32))
+
+
+def flush(x: np.ndarray) -> np.ndarray:
+    """Subnormal fp32 results flushed to zero, sign kept (the kernels' denormal rule)."""
+    tiny = (x != 0) & (np.abs(x) < np.finfo(np.float32).tiny)
+    return np.where(tiny, np.copysign(np.float32(0), x), x).astype(np.float32)
+
+
+def fma32(product: np.ndarray, acc: np.ndarray) -> np.ndarray:
+    """fp32 fma of an exact product (float64) and an fp32 accumulator, one rounding: TwoSum in float64."""
+    c = acc.astype(np.float64)
+    s = product + c
+    v = s - product
+    err = (product - (s - v)) + (c - v)
+    return round_once(s, err)
+
+
+def amx_order(x: torch.Tensor, w: torch.Tensor, init: np.ndarray) -> np.ndarray:
+    """x [m, k] @ w[n, k]^T in AMX's order, in float64 arithmetic that rounds once where fp32 rounds (finite data
+    whose products do not underflow: the recorded file covers those)."""
+    m, k = x.shape
+    kp = -(-k // 32) * 32
+    xs = np.zeros((m, kp)); xs[:, :k] = x.float().numpy()
+    ws = np.zeros((w.shape[0], kp)); ws[:, :k] = w.float().numpy()
+    total = flush(init.astype(np.float32))
+    for c in range(0, kp, 32):
+        chains = [np.zeros(total.shape, np.float32), np.zeros(total.shape, np.float32)]
+        for i in range(c, c + 32):
+            chains[i % 2] = fma32(xs[:, i][:, None] * ws[:, i][None, :], chains[i % 2])
+        pair = flush(chains[0] + chains[1])
+        total = flush(total + pair)
+    return total
+
+
+@settings(max_examples=60, **SLOW)
+@given(data=st.data())
+def test_every_variant_computes_amx_order_over_shapes_and_blocks(data):
+    """Any rows (blocks of 6, tall blocks of 12, widened blocks, 16-row tiles and their remainders), any k (padded
+    to 32) and any outputs: linear's fp32 sums are AMX's order exactly, and linear rounds them once to bf16."""
+    m, k, n = (data.draw(st.integers(lo, hi), label=name) for name, lo, hi in (("m", 1, 40), ("k", 1, 130), ("n", 1, 40)))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    spread = data.draw(st.sampled_from([0, 12]), label="exponent spread")  # 2^-12..2^12: no underflow, no overflow
+    make = lambda *shape: (torch.randn(*shape, generator=g)
+                           * 2.0 ** torch.randint(-spread, spread + 1, shape, generator=g).float()).to(torch.bfloat16)
+    x, w = make(m, k), make(n, k)
+    init = (torch.randn(m, n, generator=g) * 4).numpy() if data.draw(st.booleans(), label="init") else np.zeros((m, n))
+    want = amx_order(x, w, init)
+    packed = kernels.pack_weight(w)
+    for label, managers in variant_settings():
+        sums = run_under(managers, lambda: kernels.linear_sums(x, packed, n, torch.from_numpy(init).float()))
+        assert same_bits_nan_aside(sums.numpy(), want) == 0, label
+        rounded = run_under(managers, lambda: kernels.linear(x, packed, n))
+        zero_init = run_under(managers, lambda: kernels.linear_sums(x, packed, n))
+        assert torch.equal(rounded, zero_init.to(torch.bfloat16)), label
