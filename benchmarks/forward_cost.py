@@ -14,6 +14,8 @@ is also a multiple of the floor at the run's threads. It profiles a decode step 
 (linear layers, LM head, attention, norms and activations, exact mode's fused decoder layers, the rest; exact
 mode's kernels are counted under the family they replace; its step and verify also module by module, the
 decoder layers unfused, for the split inside them) and the fused forward of the first setting (its draft groups' LM head call included).
+Each forward's row says which kernels ran it (`variant`: stock; or exact mode's variant and, in bf16, whether
+its matrix products ran on AMX tiles, as dot products or as widened fmas).
 
 Bigger models, by simulation: `--model random:qwen3-0.6b` (or `random:qwen3-1.7b`) times a backbone of that model's
 shapes (hidden size, layers, heads, kv heads, head dim, MLP width, vocabulary, tied embeddings) with random
@@ -203,6 +205,20 @@ def random_model(name: str, dtype: str, attn: str, k: int = 8):
     return model
 
 
+def variant_of(model, rows: int) -> str:
+    """Which kernels ran a forward of `rows` rows: stock, or exact mode's variant and, in bf16, how its matrix
+    products ran (AMX tiles from the variant's row count on, else dot products or widened fmas)."""
+    if model.attn != "exact":
+        return "stock"
+    isa = kernels.isa()
+    if model.dtype != torch.bfloat16:
+        return isa
+    tiles = kernels.amx_min_rows()
+    if tiles is not None and rows >= tiles:
+        return f"{isa} tiles"
+    return f"{isa} {'fmas' if kernels.bf16_widened() else 'dots'}"
+
+
 def projected(summary: dict, tokens_per_cycle: float, k: int) -> dict:
     """Speed-up over AR of a cycle committing `tokens_per_cycle` at these forwards' costs (per kernel)."""
     out = {}
@@ -267,7 +283,8 @@ def main(argv=None) -> int:
     floor = {t: statistics.median(times[("floor", t)]) for t in floors}
     mbytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
     step = {a: statistics.median(times[(a, "ar 1 row")]) for a in calls}
-    summary = {a: {name: {"rows": rows, "ms": round(1000 * statistics.median(times[(a, name)]), 2),
+    summary = {a: {name: {"rows": rows, "variant": variant_of(models[a], rows),
+                          "ms": round(1000 * statistics.median(times[(a, name)]), 2),
                           "vs_step": round(statistics.median(times[(a, name)]) / step[a], 3),
                           "vs_floor": round(statistics.median(times[(a, name)]) / floor[threads], 3),
                           f"vs_{attns[0]}": round(statistics.median(times[(a, name)]) /
@@ -290,16 +307,20 @@ def main(argv=None) -> int:
     print(f"model={args.model} dtype={args.dtype} cache={args.cache} rounds={args.rounds} threads={torch.get_num_threads()}")
     for a, model in models.items():
         if model.exact_ops:
-            print(f"{a} kernels: {'; '.join(model.exact_ops)}; bf16 products "
-                  f"{'as widened fp32 fmas' if kernels.bf16_widened() else 'by the dot-product instruction'}")
+            tiles = kernels.amx_min_rows()
+            print(f"{a} kernels: {'; '.join(model.exact_ops)}; bf16 products in AMX's order, "
+                  f"{'as widened fp32 fmas' if kernels.bf16_widened() else 'by the dot-product instruction'}"
+                  + (f", on AMX tiles from {tiles} rows" if tiles else ""))
     print(f"floor: one read of the {len(weights)} linear weights ({mbytes:.0f} MB) "
           + ", ".join(f"{1000 * floor[t]:.1f} ms at {t} thread{'s' if t > 1 else ''} ({mbytes / 1000 / floor[t]:.1f} GB/s)"
                       for t in floors))
-    print(f"{'forward':<24}{'rows':>5}" + "".join(f"{a + ' ms':>12}{'x step':>8}{'x floor':>8}" for a in attns)
+    print(f"{'forward':<24}{'rows':>5}" + "".join(f"{a + ' ms':>12}{'x step':>8}{'x floor':>8}{'variant':>18}"
+                                                  for a in attns)
           + "".join(f"{a + '/' + attns[0]:>14}" for a in attns[1:]))
     for name, (_, rows) in calls[attns[0]].items():
         print(f"{name:<24}{rows:>5}" + "".join(f"{summary[a][name]['ms']:>12.1f}{summary[a][name]['vs_step']:>8.2f}"
-                                               f"{summary[a][name]['vs_floor']:>8.2f}" for a in attns)
+                                               f"{summary[a][name]['vs_floor']:>8.2f}{summary[a][name]['variant']:>18}"
+                                               for a in attns)
               + "".join(f"{summary[a][name]['vs_' + attns[0]]:>14.2f}" for a in attns[1:]))
     print("one forward by op family (ms, profiler self time):")
     print(f"  {'kernel':<8}{'forward':<22}" + "".join(f"{f:>20}" for f in FAMILIES))

@@ -223,16 +223,16 @@ inline V16 exp_fixed(V16 x) {
 // after the first reads the panels from cache. Each weight vector is loaded once per step for all rows of a block.
 constexpr int64_t CHUNK_STEPS = 16;  // bf16 pair steps per chunk of 32 inputs
 #if defined(LOSSLESS_DPBF16)
-constexpr int RB = 6, JB = 2;  // bf16 dot products: 6 x 2 x (e, o) = 24 accumulators + 2 weight vectors + 1 broadcast
-constexpr int RT = 12;         // tall blocks through one panel: 24 accumulators
+constexpr int RB = 4, JB = 2;  // bf16 dot products: 8 x (e, o, sum) = 24 registers + 2 weight vectors + 1 broadcast
+constexpr int RT = 12;         // tall blocks through one panel: 12 x (e, o) = 24 registers, the sums in memory
 #endif
 #if defined(LOSSLESS_V16_AVX512)
 constexpr int RF = 4, JF = 4;  // fp32/fp16: 16 accumulators + 4 weight vectors + 1 broadcast
-constexpr int RW = 4, JW = 2;  // bf16 widened: 16 accumulators + 4 widened weight vectors + 2 broadcasts
-constexpr int JS = 4;          // calls of at most 2 rows (a decode step): 4 panels at a time, 16 accumulators
+constexpr int RW = 4, JW = 2;  // bf16 widened: 8 x (e, o, sum) = 24 registers + 4 widened weight vectors + 2 broadcasts
+constexpr int JS = 2;          // calls of at most 2 rows (a decode step): 2 x 2 x (e, o, sum) + 4 widened weight vectors
 #else
 constexpr int RF = 4, JF = 2;  // AVX2: 16 registers, two per V16
-constexpr int RW = 2, JW = 1;  // 4 accumulators (8 registers) + 2 widened weight vectors + 2 broadcasts
+constexpr int RW = 2, JW = 1;  // 2 x (e, o, sum): 12 registers + 2 widened weight vectors (4)
 constexpr int JS = 1;
 #endif
 
@@ -482,16 +482,22 @@ inline void pair_step(const Rows<at::BFloat16>& x, int64_t r0, const uint32_t* w
 }
 
 // bf16: R rows x J panels in the AMX order: per chunk of 16 steps the chains e (even steps) and o (odd steps) from
-// +0, then sum = sum + (e + o)
+// +0, a step of each in turn (the weights read in memory order), then sum = sum + (e + o). The sums stay in
+// registers beside the chains in blocks of up to 8 outputs vectors (3 x 8 of 32 registers), else in memory.
 template <int R, int J, bool WIDE, bool TALL>
 inline void pair_block(const Rows<at::BFloat16>& x, int64_t r0, const Weight<at::BFloat16>& wt, int64_t p0) {
+  constexpr bool HELD = R * J <= 8;
   const int64_t steps = x.steps, stride = steps * LANES;
   const uint32_t* w = reinterpret_cast<const uint32_t*>(wt.packed) + p0 * stride;
-  alignas(64) float sums[R][J][LANES];
+  V16 sum[HELD ? R : 1][HELD ? J : 1];
+  alignas(64) float sums[HELD ? 1 : R][HELD ? 1 : J][LANES];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < J; ++j) start_sum(wt, r0 + r, p0 + j).store(sums[r][j]);
+    for (int j = 0; j < J; ++j) {
+      if constexpr (HELD) sum[r][j] = start_sum(wt, r0 + r, p0 + j);
+      else start_sum(wt, r0 + r, p0 + j).store(sums[r][j]);
+    }
   for (int64_t c = 0; c < steps; c += CHUNK_STEPS) {
     V16 e[R][J], o[R][J];
 #pragma GCC unroll 16
@@ -507,12 +513,23 @@ inline void pair_block(const Rows<at::BFloat16>& x, int64_t r0, const Weight<at:
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-      for (int j = 0; j < J; ++j) V16::load(sums[r][j]).add(e[r][j].add(o[r][j])).store(sums[r][j]);
+      for (int j = 0; j < J; ++j) {
+        if constexpr (HELD) sum[r][j] = sum[r][j].add(e[r][j].add(o[r][j]));
+        else V16::load(sums[r][j]).add(e[r][j].add(o[r][j])).store(sums[r][j]);
+      }
   }
+  alignas(64) float buf[LANES];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < J; ++j) store_sum(wt, r0 + r, p0 + j, sums[r][j]);
+    for (int j = 0; j < J; ++j) {
+      if constexpr (HELD) {
+        sum[r][j].store(buf);
+        store_sum(wt, r0 + r, p0 + j, buf);
+      } else {
+        store_sum(wt, r0 + r, p0 + j, sums[r][j]);
+      }
+    }
 }
 
 // the block of `rows` (1..R) rows from row r through panels p..p+J-1: fp32/fp16 panel_block, bf16 pair_block
