@@ -302,7 +302,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def _bf16_inputs(pairs: torch.Tensor) -> torch.Tensor:
     """[..., steps, 2] pair steps of one output (its 32-bit pairs as two bf16, low first) -> [..., 2 * steps]
     inputs in their own order."""
-    return pairs.reshape(*pairs.shape[:-2], -1, 4)[..., _NATURAL].flatten(-2)
+    steps = pairs.shape[-2]
+    return pairs.reshape(*pairs.shape[:-2], steps // 2, 4)[..., _NATURAL].flatten(-2)
 
 
 def unpack_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
