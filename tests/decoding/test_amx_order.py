@@ -161,3 +161,51 @@ def test_every_variant_computes_amx_order_over_shapes_and_blocks(data):
         rounded = run_under(managers, lambda: kernels.linear(x, packed, n))
         zero_init = run_under(managers, lambda: kernels.linear_sums(x, packed, n))
         assert torch.equal(rounded, zero_init.to(torch.bfloat16)), label
+
+
+@pytest.mark.skipif("amx" not in VARIANTS, reason=f"the amx variant cannot run here: {kernels.amx_refusal()}")
+@pytest.mark.parametrize("rows", [1, 9, 16, 33])
+def test_amx_tiles_give_the_dot_product_variant_bits(rows):
+    """On a CPU with AMX: tiles from one row on (every call on tiles, 16-row tiles and a remainder) against the
+    AVX-512 BF16 variant, over a product of the embedded model's shapes, with a bias, at 1 and 2 threads."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+    w, bias = torch.randn(1536, 576, generator=g).to(torch.bfloat16), torch.randn(1536, generator=g).to(torch.bfloat16)
+    packed = kernels.pack_weight(w)
+    with kernels.use_isa("avx512bf16"):
+        want = kernels.linear(x, packed, 1536, bias)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with kernels.use_isa("amx"), kernels.amx_rows(1):
+                assert torch.equal(kernels.linear(x, packed, 1536, bias).view(torch.int16), want.view(torch.int16))
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif("avx512bf16" not in VARIANTS, reason="the amx variant's code needs AVX-512 BF16 around its tiles")
+def test_the_amx_path_with_its_tile_instructions_written_out_reproduces_amx():
+    """On any CPU that can run the amx variant's other instructions: its whole path (x in 16-row tiles in the
+    inputs' own order, each chunk's B tiles rebuilt from the parity pairs, starting sums, remainders, stores) with
+    only TDPBF16PS written out reproduces AMX's recorded outputs and the other variants' bits. So on a CPU with AMX
+    only the tile instructions themselves are new (`test_amx_tiles_give_the_dot_product_variant_bits`)."""
+    amx = kernels.extension().amx
+    before = amx.amx_min_rows()
+    amx.set_tile_emulation(True)
+    amx.set_amx_rows(1)
+    try:
+        assert amx.amx_min_rows() == 1
+        for k, kind, a, b, c0, c in recorded_blocks():
+            got = amx.linear_sums(bf16(a), kernels.pack_weight(bf16(b.T.copy())), 16, torch.from_numpy(c0.copy()))
+            assert same_bits_nan_aside(got.numpy(), c) == 0, (k, kind)
+        g = torch.Generator().manual_seed(3)
+        for rows, k, n in ((1, 576, 70), (17, 100, 33), (40, 64, 16)):  # 4 panels and 1, 16-row tiles and remainders
+            x, w = torch.randn(rows, k, generator=g).to(torch.bfloat16), torch.randn(n, k, generator=g).to(torch.bfloat16)
+            bias = torch.randn(n, generator=g).to(torch.bfloat16)
+            with kernels.use_isa("avx512bf16"):
+                want = kernels.linear(x, kernels.pack_weight(w), n, bias)
+            assert torch.equal(amx.linear(x, kernels.pack_weight(w), n, bias).view(torch.int16), want.view(torch.int16))
+    finally:
+        amx.set_tile_emulation(False)
+        amx.set_amx_rows(before if before > 0 else 0)

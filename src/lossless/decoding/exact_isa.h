@@ -633,6 +633,46 @@ inline void amx_finish(const Weight<at::BFloat16>& wt, int64_t m, int64_t r0, in
   for (int64_t r = 0; r < 16 && r0 + r < m; ++r) store_sum(wt, r0 + r, p, buf + r * LANES);
 }
 
+// Tests on a CPU without AMX: the tile instructions written out (TDPBF16PS's order on the same tiles in memory),
+// everything around them as on AMX (the tiles of x, the B tiles rebuilt, the starting sums, the stores)
+inline bool& tile_emulation() { static bool on = false; return on; }
+
+// J tiles of C (+=) A (16 rows of x from a, row stride a_stride bytes) times the B tiles of chunk c of each panel
+inline void emulated_dp(float (*c)[16][16], int J, const uint16_t* a, int64_t a_stride, const uint32_t* bc,
+                        int64_t panel_words) {
+  for (int j = 0; j < J; ++j)
+    for (int r = 0; r < 16; ++r) {
+      const uint16_t* ar = a + r * (a_stride / 2);
+      for (int n = 0; n < 16; ++n) {
+        float e = 0.0f, o = 0.0f;
+        for (int i = 0; i < 16; ++i) {
+          const uint32_t pair = bc[j * panel_words + i * LANES + n];
+          e = std::fmaf(__builtin_bit_cast(float, static_cast<uint32_t>(ar[2 * i]) << 16),
+                        __builtin_bit_cast(float, pair << 16), e);
+          o = std::fmaf(__builtin_bit_cast(float, static_cast<uint32_t>(ar[2 * i + 1]) << 16),
+                        __builtin_bit_cast(float, pair & 0xFFFF0000u), o);
+        }
+        c[j][r][n] = c[j][r][n] + (e + o);
+      }
+    }
+}
+
+// J (1..4) panels from p for all m rows, tiles written out (`tile_emulation`)
+inline void amx_panels_emulated(const Rows<at::BFloat16>& x, int64_t m, const Weight<at::BFloat16>& wt, int64_t p,
+                                int J, const uint32_t* bt, int64_t chunks) {
+  const int64_t steps = x.steps, tile_words = CHUNK_STEPS * LANES, a_stride = steps * 2 * 2;
+  float c[4][16][16];
+  for (int64_t r0 = 0; r0 < m; r0 += 16) {
+    for (int j = 0; j < J; ++j)
+      for (int64_t r = 0; r < 16; ++r)
+        (wt.init && r0 + r < m ? start_sum(wt, r0 + r, p + j) : V16::zero()).store(c[j][r]);
+    for (int64_t k = 0; k < chunks; ++k)
+      emulated_dp(c, J, x.tiles.data() + r0 * steps * 2 + k * 32, a_stride, bt + k * tile_words, chunks * tile_words);
+    for (int j = 0; j < J; ++j)
+      for (int64_t r = 0; r < 16 && r0 + r < m; ++r) store_sum(wt, r0 + r, p + j, c[j][r]);
+  }
+}
+
 // J (1..4) panels from p for all m rows: their B tiles built once, then each 16-row tile of x through them
 template <int J>
 inline void amx_panels(const Rows<at::BFloat16>& x, int64_t m, const Weight<at::BFloat16>& wt, int64_t p,
@@ -643,6 +683,7 @@ inline void amx_panels(const Rows<at::BFloat16>& x, int64_t m, const Weight<at::
   uint32_t* bt = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(b.data()) + 63) & ~uintptr_t(63));
   for (int j = 0; j < J; ++j)
     for (int64_t c = 0; c < chunks; ++c) b_tile(w + (j * steps + c * CHUNK_STEPS) * LANES, bt + (j * chunks + c) * tile_words);
+  if (tile_emulation()) return amx_panels_emulated(x, m, wt, p, J, bt, chunks);
   const int64_t a_stride = steps * 2 * 2;  // bytes from one row of x to the next
   for (int64_t r0 = 0; r0 < m; r0 += 16) {
     const uint16_t* a = x.tiles.data() + r0 * steps * 2;
@@ -671,11 +712,12 @@ inline void amx_panels(const Rows<at::BFloat16>& x, int64_t m, const Weight<at::
 inline void amx_range(const Rows<at::BFloat16>& x, int64_t m, const Weight<at::BFloat16>& wt, int64_t p0, int64_t p1) {
   thread_local std::vector<uint32_t> b;
   alignas(64) float buf[16 * LANES];
-  amx_configure();
+  const bool tiles = !tile_emulation();
+  if (tiles) amx_configure();
   int64_t p = p0;
   for (; p + 4 <= p1; p += 4) amx_panels<4>(x, m, wt, p, b, buf);
   for (; p < p1; ++p) amx_panels<1>(x, m, wt, p, b, buf);
-  amx_release();
+  if (tiles) amx_release();
 }
 #endif
 
@@ -1470,6 +1512,18 @@ int64_t amx_min_rows() {
   return 0;
 #endif
 }
+// Whether the amx variant writes its tile instructions out instead of running them (tests on CPUs without AMX:
+// the rest of its path, the tiles' layouts included, runs as on AMX); returns the setting (false elsewhere).
+bool set_tile_emulation(bool on) {
+#if defined(LOSSLESS_AMX)
+  tile_emulation() = on;
+  return tile_emulation();
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 int64_t set_amx_rows(int64_t rows) {
 #if defined(LOSSLESS_AMX)
   amx_rows() = rows < 1 ? INT64_MAX : rows;

@@ -230,6 +230,7 @@ namespace isa_scalar {
     sub.def("linear_sums", &isa_##NS::linear_sums, "linear's fp32 product-sums, each chain from init [m, n]");     \
     sub.def("amx_min_rows", &isa_##NS::amx_min_rows, "the fewest rows a bf16 call runs on AMX tiles from (0: none)"); \
     sub.def("set_amx_rows", &isa_##NS::set_amx_rows, "AMX tiles from this many rows on (< 1: never); speed only");  \
+    sub.def("set_tile_emulation", &isa_##NS::set_tile_emulation, "amx: tile instructions written out (tests)");     \
     sub.def("linear", &isa_##NS::linear, "x [m, k] @ weight[n, k]^T (+ bias) from a packed weight, each output one chain"); \
     sub.def("attention", &isa_##NS::attention, "softmax attention over each row's visible keys, in key order");   \
     sub.def("rms_norm", &isa_##NS::rms_norm, "Llama/Qwen RMSNorm, statistics in a fixed order");                  \
