@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -29,7 +30,7 @@ def forward_cost(tree: Path, args) -> dict:
     """One forward_cost.py run of the checkout at `tree` (its own package first on the path): its JSON line."""
     cmd = [sys.executable, str(tree / "benchmarks" / "forward_cost.py"), "--attn", "exact", "--dtype", args.dtype,
            "--fused", "", "--rounds", str(args.rounds), "--threads", str(args.threads), "--cache", str(args.cache)]
-    env = {**__import__("os").environ, "PYTHONPATH": str(tree / "src")}
+    env = {**os.environ, "PYTHONPATH": str(tree / "src")}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
     if out.returncode != 0:
         raise SystemExit(f"kernel_ab: error: forward_cost.py failed in {tree}: {out.stderr.strip().splitlines()[-1:]}")
