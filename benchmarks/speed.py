@@ -3,7 +3,8 @@
 (`orthrus_fused`; `--fused 4:2,3:3` adds block-size:group settings side by side), verifying a candidate tree
 (`orthrus_tree`; `--tree 8,16` sets its node budgets), and with a prompt-lookup branch beside the drafts
 (`orthrus_lookup`, `orthrus_tree_lookup` with the first tree budget, `orthrus_fused_lookup` with the first fused
-setting; `--lookup N` tokens); and, where llama-cpp-python is installed (`pip install .[peers]`), `llama_cpp`:
+setting; `--lookup N` tokens); `default`, what `lossless generate` runs with no cycle options (the cycle this CPU's
+measured forward costs choose, or AR: `decoding/cycles.py`; the table says which and why); and, where llama-cpp-python is installed (`pip install .[peers]`), `llama_cpp`:
 llama.cpp's greedy decoding of the embedded GGUF requantized by llama.cpp to `--dtype` (`peers.py`).
 
 The protocol (so that a ratio means something on a noisy machine):
@@ -47,7 +48,7 @@ from lossless.stats import bootstrap_mean
 from lossless.text import encode_prompt
 
 METHODS = ("hf_generate", "ar", "prompt_lookup", "orthrus", "orthrus_lookup", "orthrus_tree", "orthrus_tree_lookup",
-           "orthrus_fused", "orthrus_fused_lookup", "llama_cpp")
+           "orthrus_fused", "orthrus_fused_lookup", "default", "llama_cpp")
 HF_METHODS = ("hf_generate", "prompt_lookup")
 PEER_METHODS = ("llama_cpp",)  # other engines, run once each (their own kernels), when they are installed
 FUSED_DEFAULT = "3"  # block size k[:draft groups per forward]; "3" = the library's default (k=3, every group)
@@ -133,6 +134,9 @@ def run_variant(model, kind, setting, ids, max_new_tokens, args, trees, fused, c
         return run_ours(model, ids, max_new_tokens, "orthrus", fused[0][0], "fused", fused[0][1], lookup=args.lookup)
     if kind == "orthrus_fused":
         return run_ours(model, ids, max_new_tokens, "orthrus", setting[0], "fused", setting[1])
+    if kind == "default":  # what `lossless generate` runs with no cycle options: chosen from this CPU's costs
+        choice = model.default_choice()
+        return run_ours(model, ids, max_new_tokens, choice.mode, None, tree=choice.tree, lookup=choice.lookup)
     return run_ours(model, ids, max_new_tokens, kind, args.k)
 
 
@@ -269,6 +273,10 @@ def main(argv=None) -> int:
     for a, m in models.items():
         if a == EXACT and m.exact_ops:
             print(f"{a} kernels: {'; '.join(m.exact_ops)}")
+    for name, (kernel, kind, _) in variants.items():
+        if kind == "default":
+            summary[name]["choice"] = models[kernel].default_choice().to_dict()
+            print(f"{name}: {summary[name]['choice']['why']}")
     if "peer" in models:
         from importlib.metadata import version
 

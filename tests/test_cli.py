@@ -257,6 +257,46 @@ def test_generate_says_which_configuration_ran(dirs, capsys, args, want):
     assert {key: config[key] for key in want} == want
 
 
+def test_costs_profiles_a_head_measures_the_cpu_and_generate_runs_what_they_choose(dirs, tmp_path, capsys, monkeypatch):
+    from lossless.decoding import cycles
+
+    monkeypatch.setattr(cycles, "cycles_dir", lambda: tmp_path / "cycles")  # not the kernels' cache: no rebuild
+    monkeypatch.delenv("LOSSLESS_CYCLE", raising=False)
+    rc = main(["costs", "--model", dirs["model"], "--profile"])
+    captured = capsys.readouterr()
+    _assert_one_line_error(rc, captured.out, captured.err, "untrained head")
+    assert main(["costs", "--model", dirs["model"]]) == 0  # the costs, and the untrained head's chain
+    assert "default: chain + lookup 16: the head is untrained" in capsys.readouterr().out
+    source = tiny_orthrus("llama", seed=0)
+    with torch.no_grad():
+        for p in source.head_parameters().values():
+            p.add_(0.05 * torch.randn_like(p))
+    head = str(source.save_head(tmp_path / "head"))
+    rc = main(["costs", "--model", dirs["model"], "--head", head, "--attn", "sdpa", "--profile"])
+    captured = capsys.readouterr()
+    _assert_one_line_error(rc, captured.out, captured.err, "--attn exact")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n" + json.dumps({"prompt": "the cat the cat the"}) + "\n")
+    rc = main(["costs", "--model", dirs["model"], "--head", head, "--profile", "--prompts", str(prompts),
+               "--max-new-tokens", "6", "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert len(out["choice"]["predicted"]) == 15 and out["choice"]["mode"] in ("ar", "orthrus")
+    assert set(out["costs"]["rows"]) == {"1", "5", "9", "13", "17", "24", "32", "40"}
+    assert Path(out["profile"]).exists() and out["costs"]["variant"] != "stock"
+    generated = _generate_json(capsys, "--model", dirs["model"], "--head", head, "--max-new-tokens", "6", PROMPT)
+    assert generated["config"]["choice"] == out["choice"]  # the costs measured once, read by the next process
+    assert generated["config"]["mode"] == out["choice"]["mode"]
+    rc = main(["generate", "--model", dirs["model"], "--head", head, "--max-new-tokens", "6", PROMPT])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 0 and err[-2] == f"[default cycle: {out['choice']['why']}]"
+    rc = main(["costs", "--model", dirs["model"], "--head", head])
+    text = capsys.readouterr().out
+    assert rc == 0 and "verify 17 rows" in text and f"default: {out['choice']['why']}" in text
+    assert text.count("x") >= 15  # a predicted speed-up per candidate
+
+
 def test_auto_picks_exact_kernels_and_bf16_only_where_the_cpu_multiplies_bf16_natively(monkeypatch):
     from lossless.decoding import kernels, models
 

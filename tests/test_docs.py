@@ -187,10 +187,11 @@ def test_every_shell_line_is_run_or_listed_as_not_run():
 
 TINY_WORDS = "w1 w2 w3"
 PROBE_TEXT = " ".join(f"w{i}" for i in range(1, 15))  # longer than the head's k
-FLAGS = {"--json", "--no-chat-template", "--no-progress", "--at-rest", "--confirm-run-unsafe-code", "--resume", "--all"}
+FLAGS = {"--json", "--no-chat-template", "--no-progress", "--at-rest", "--confirm-run-unsafe-code", "--resume", "--all",
+         "--remeasure", "--profile"}
 OPTIONAL_NUMBER = {"--tree", "--lookup"}  # a number follows only sometimes
 OUTPUTS = ("--out", "--log", "--publish")  # written: always under the workspace
-MODEL_COMMANDS = {"generate", "audit", "train", "distill", "probe", "eval", "serve"}
+MODEL_COMMANDS = {"generate", "audit", "train", "distill", "probe", "eval", "serve", "costs"}
 
 # option -> new value, for every subcommand that has the option (a callable gets (value, workspace))
 REPLACE = {
@@ -223,6 +224,7 @@ ADD = {
     "eval": {"--limit": "1", "--no-progress": None},
     "tasks": {},
     "serve": {},
+    "costs": {},
 }
 
 

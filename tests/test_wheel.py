@@ -54,7 +54,7 @@ def installed(tmp_path_factory):
 def test_the_wheel_imports_its_own_copy_and_finds_its_data(installed):
     code = ("import json, lossless; from lossless import paths; print(json.dumps([lossless.__file__, "
             "str(paths.DEFAULT_SUITE), str(paths.TRAIN_PROMPTS), str(paths.HELDOUT_PROMPTS), "
-            "str(paths.HEADS_DIR / 'smollm2-135m' / 'head.json')]))")
+            "str(paths.HEADS_DIR / 'smollm2-135m' / 'head.json'), str(paths.HEADS_DIR / 'smollm2-135m' / 'cycles.json')]))")
     out = json.loads(_run([str(installed["python"]), "-c", code], installed["work"], installed["env"]).stdout)
     for path in out:
         assert Path(path).is_file(), path

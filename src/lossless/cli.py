@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .errors import LosslessError
-from .names import (ATTN_KERNELS, AUTO, CYCLES, DEFAULT_BATCH, DEFAULT_LOOKUP, DEFAULT_TREE, DTYPE_NAMES, EXACT, MODES,
+from .names import (ATTN_KERNELS, AUTO, CYCLE_LOOKUPS, CYCLE_TREES, CYCLES, DEFAULT_BATCH, DEFAULT_LOOKUP, DEFAULT_TREE, DTYPE_NAMES, EXACT, MODES,
                     PREFILL_CHUNK, check_cycle, check_tree)
 
 
@@ -119,6 +119,8 @@ def cmd_generate(args) -> int:
         print(json.dumps(out.to_dict(), ensure_ascii=False))
     else:
         s = out.stats
+        if out.config.get("choice"):
+            print(f"\n[default cycle: {out.config['choice']['why']}]", end="", file=sys.stderr)
         print(f"\n[{_config_label(out.config)} | {s['new_tokens']} tokens, {s['steps']} steps, "
               f"{s['forwards']} forwards, {s['tokens_per_step']:.2f} tokens/step, "
               f"{s['tokens_per_second']:.1f} tokens/s, finish={out.finish_reason}]", file=sys.stderr)
@@ -452,6 +454,71 @@ def cmd_tasks(args) -> int:
     return 0
 
 
+PROFILE_NEEDS_EXACT = ("cycle profiles are recorded on exact kernels, where every cycle commits AR's tokens: drop "
+                       "--attn or pass --attn exact (on the CPU)")
+
+
+def cmd_costs(args) -> int:
+    """This CPU's forward costs, each candidate cycle's predicted speed-up over AR, and the default they choose."""
+    from .decoding import cycles
+    from .decoding.head import UNTRAINED
+    from .decoding.models import load_model
+    from .paths import make_dir, write_atomically
+    from .text import encode_prompt
+
+    if args.max_new_tokens < 1:
+        raise LosslessError("--max-new-tokens must be >= 1")
+    prompts = None
+    if args.profile:
+        from .training.distill import read_prompts
+
+        if args.attn not in (AUTO, EXACT):
+            raise LosslessError(PROFILE_NEEDS_EXACT)
+
+        prompts = ([row["prompt"] for row in read_prompts(args.prompts)] if args.prompts
+                   else cycles.default_profile_prompts())
+        if not prompts:
+            raise LosslessError(f"{args.prompts}: no prompts")
+    model = load_model(args.model, args.dtype, args.device, args.attn, head=args.head)
+    if args.profile and model.head_digest == UNTRAINED:
+        raise LosslessError("this model has an untrained head, whose default is the chain (no tree to choose): "
+                            "pass a trained head with --head DIR")
+    if args.profile:
+        if model.attn != EXACT:
+            raise LosslessError(PROFILE_NEEDS_EXACT)
+        from tqdm.auto import tqdm
+
+        ids = [encode_prompt(model.tokenizer, p, True) for p in prompts]
+        with tqdm(total=len(ids) * len(cycles.CANDIDATES), desc="cycle profile", unit="decode",
+                  disable=args.json) as bar:
+            profile = cycles.record_profile(model, ids, args.max_new_tokens, progress=bar.update)
+        out = cycles.recorded_profile_path(model)
+        make_dir(out.parent)
+        write_atomically(out, json.dumps(profile, indent=1) + "\n")
+        print(f"cycle profile of head {model.head_digest}: {out}", file=sys.stderr)
+    costs = cycles.cached_costs(model, remeasure=args.remeasure)
+    choice = model.default_choice() if model.head_digest != UNTRAINED else cycles.Choice(
+        "orthrus", 0, DEFAULT_LOOKUP, f"{cycles.label(0, DEFAULT_LOOKUP)}: the head is untrained (its runners-up are "
+        f"not worth verifying; --head DIR loads a trained one)", {})
+    if args.json:
+        print(json.dumps({"costs": costs, "choice": choice.to_dict(), "profile": str(cycles.profile_path(model))}))
+        return 0
+    step = cycles.cost_at(costs, 1)
+    print(f"forward costs on {costs['cpu']} ({costs['variant']}, {costs['threads']} threads, {model.dtype_name} "
+          f"{model.attn}; measured {costs['date']}, cached in {cycles.costs_path(model)}):")
+    print(f"  {'forward':<18}{'ms':>8}{'steps':>8}")
+    for rows, ms in costs["rows"].items():
+        print(f"  {('verify ' + rows + ' row' + ('s' if rows != '1' else '')):<18}{ms:>8.2f}{ms / step:>8.2f}")
+    print(f"  {'draft pass k=' + str(model.k):<18}{costs['draft']:>8.2f}{costs['draft'] / step:>8.2f}")
+    if choice.predicted:
+        print("predicted speed-up over AR (the head's cycle profile at these costs):")
+        for name, x in sorted(choice.predicted.items(), key=lambda kv: -kv[1]):
+            mark = " <- default" if choice.mode == "orthrus" and name == cycles.label(choice.tree, choice.lookup) else ""
+            print(f"  {name:<22}{x:>6.2f}x{mark}")
+    print(f"default: {choice.why}")
+    return 0
+
+
 def _check_bindable(host: str, port: int) -> None:
     """Refuse, in one line, an address the server could not listen on (in use, or not this machine's)."""
     import socket
@@ -475,6 +542,7 @@ def cmd_serve(args) -> int:
     import os
     import signal
 
+    from .decoding.head import UNTRAINED
     from .decoding.models import load_model
     from .decoding.sampling import SamplingConfig
 
@@ -504,6 +572,10 @@ def cmd_serve(args) -> int:
     if args.batch is not None and args.batch > 1 and model.attn != EXACT:  # --attn auto chose stock kernels here
         raise LosslessError(f"--batch {args.batch} needs exact kernels, which this device has not: --batch 1")
     batch = args.batch if args.batch is not None else DEFAULT_BATCH if model.attn == EXACT else 1
+    if (args.mode == "orthrus" and args.cycle == "two-pass" and args.tree is None and args.lookup is None
+            and args.k is None and model.head_digest != UNTRAINED):  # measured now (once per CPU), not in a request
+        logging.getLogger("lossless.serve").info("greedy requests with no cycle of their own: %s",
+                                                 model.default_choice().why)
     app = create_app(model, defaults, model_name=args.served_model_name, api_key=key, max_queue=args.max_queue,
                      max_body=args.max_body, batch=batch, prefill_chunk=args.prefill_chunk)
     logging.getLogger("lossless.serve").info(
@@ -544,13 +616,15 @@ def _generate_parser(sub) -> None:
     _add_cycle_args(g)
     g.add_argument("--tree", type=_number(int, "--tree", at_least=0, note=" (0 = none)"), nargs="?", const=DEFAULT_TREE, default=None, metavar="NODES",
                    help=f"two-pass, greedy: verify a tree of NODES draft candidates (the top drafts and their runners-up; "
-                        f"{DEFAULT_TREE} without a number) instead of one chain; 0 = the chain (default: {DEFAULT_TREE} "
-                        f"when greedy, two-pass and the head is trained, else 0)")
+                        f"{DEFAULT_TREE} without a number) instead of one chain; 0 = the chain (default, greedy and two-pass with a "
+                        f"trained head: with --lookup, the cycle this CPU's measured forward costs predict fastest, "
+                        f"or AR where none pays: see `lossless costs`; else 0)")
     g.add_argument("--lookup", type=_number(int, "--lookup", at_least=0, note=" (0 = none)"), nargs="?", const=DEFAULT_LOOKUP, default=None, metavar="TOKENS",
                    help=f"greedy: prompt lookup beside the drafts: copy up to TOKENS tokens that followed the "
                         f"context's last tokens where they occurred before ({DEFAULT_LOOKUP} without a number) and verify "
                         f"them too; a match of 2+ tokens is verified alone, without a draft pass; 0 = none (default: "
-                        f"{DEFAULT_LOOKUP} when greedy, else 0)")
+                        f"chosen with --tree from this CPU's costs; {DEFAULT_LOOKUP} when greedy with --tree given, "
+                        f"else 0)")
     g.add_argument("--temperature", type=_number(float, "--temperature", at_least=0, note=" (0 = greedy)"),
                    default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=_number(int, "--top-k", at_least=0, note=" (0 = no top-k filter)"), default=0,
@@ -563,6 +637,23 @@ def _generate_parser(sub) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     g.add_argument("prompt", help="the text to continue")
     g.set_defaults(func=cmd_generate)
+
+
+def _costs_parser(sub) -> None:
+    c = sub.add_parser("costs", help="this CPU's forward costs and the default cycle they choose (measured once, cached)")
+    _add_model_args(c, auto=True)
+    c.add_argument("--remeasure", action="store_true", help="measure the forward costs again (e.g. after a BIOS or "
+                                                              "power-setting change) instead of reading the cache")
+    c.add_argument("--profile", action="store_true",
+                   help="first record the head's cycle profile: decode --prompts with every candidate cycle (tree "
+                        f"{', '.join(map(str, CYCLE_TREES))} x lookup {', '.join(map(str, CYCLE_LOOKUPS))}) "
+                        "and count each one's forwards (exact kernels; minutes)")
+    c.add_argument("--prompts", default=None, help="with --profile: a JSONL of {\"prompt\": ...} lines (default: 2 "
+                                                   "prompts per domain of the default suite and 12 held-out chat prompts)")
+    c.add_argument("--max-new-tokens", type=_number(int, "--max-new-tokens", at_least=1), default=128,
+                   help="with --profile: tokens per prompt")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+    c.set_defaults(func=cmd_costs)
 
 
 def _serve_parser(sub) -> None:
@@ -783,6 +874,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
+    _costs_parser(sub)
     _distill_parser(sub)
     _train_parser(sub)
     _curve_parser(sub)

@@ -34,6 +34,10 @@ def check_cycle(cycle: str) -> str:
 DEFAULT_TREE = 8
 # tokens of the lookup branch that `--lookup` without a number and the `orthrus-lookup` candidate use
 DEFAULT_LOOKUP = 16
+# the cycles the default is chosen from on each CPU (decoding/cycles.py): trees of these node budgets (0: the chain
+# of top drafts), each with prompt lookup of these lengths
+CYCLE_TREES = (0, 4, 8, 16, 32)
+CYCLE_LOOKUPS = (0, 16, 32)
 # requests `lossless serve` decodes together on exact kernels: with 8 clients, 2.76x the tokens/s of one at a
 # time, and 2.11x at --batch 4 (machine A, results/serving/serve_load_bf16_exact_batch_machine_a.txt)
 DEFAULT_BATCH = 8

@@ -15,6 +15,7 @@ model only through its `DecodingModel` protocol, so imports go one way (model ->
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -62,6 +63,8 @@ class OrthrusLM(nn.Module):
                                              backbone_signature=self.signature,
                                              mask_token_id=mask_token_id, backbone=self.name)
         self.head_digest = headfile.UNTRAINED  # identity of the loaded head (see head.head_digest)
+        self.head_dir: Path | None = None  # the directory the head was loaded from (its cycle profile: `cycles`)
+        self._choice = None  # (what it depends on, cycles.Choice) of `default_choice`
         self.eval()
 
     # ----------------------------------------------------------------------------------------- identity
@@ -149,6 +152,7 @@ class OrthrusLM(nn.Module):
     def load_head(self, path: str | Path) -> None:
         tensors, info = headfile.load_head(path)
         self.load_head_tensors(tensors, info, source=str(path))
+        self.head_dir = Path(path) if Path(path).is_dir() else Path(path).parent  # where its cycle profile may be
 
     def load_head_tensors(self, tensors: dict[str, torch.Tensor], info: headfile.HeadConfig, source: str = "") -> None:
         if info.backbone_fingerprint != self.fingerprint or not headfile.signatures_match(info.backbone_signature,
@@ -178,7 +182,7 @@ class OrthrusLM(nn.Module):
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(tensors[name].to(p.dtype))
-        self.k, self.head_info, self.head_digest = int(info.k), info, digest
+        self.k, self.head_info, self.head_digest, self.head_dir = int(info.k), info, digest, None
 
     # ------------------------------------------------------------------------------------------ kernels
     def set_attn(self, attn: str) -> list[str]:
@@ -345,6 +349,17 @@ class OrthrusLM(nn.Module):
         assert cache.get_seq_length() == pos + v, "a fused forward writes exactly its verify rows"
         return self.backbone.lm_head(hidden[:v]), hidden[v:].reshape(g, rows, hidden.shape[-1])[:, 1:]
 
+    def default_choice(self, remeasure: bool = False):
+        """What a greedy orthrus request with no cycle of its own runs: the cycle (or AR) that this CPU's measured
+        forward costs and the head's cycle profile predict fastest (`cycles.default_choice`), kept per kernels
+        and thread count."""
+        from . import cycles
+
+        key = (cycles.costs_key(self), self.head_digest, os.environ.get(cycles.CYCLE_ENV), str(cycles.cycles_dir()))
+        if remeasure or self._choice is None or self._choice[0] != key:
+            self._choice = (key, cycles.default_choice(self, remeasure))
+        return self._choice[1]
+
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head over draft rows: hidden [m, d] -> logits [m, V]."""
         return self.backbone.lm_head(hidden)
@@ -359,8 +374,9 @@ class OrthrusLM(nn.Module):
         `cycle` "two-pass" (draft, then verify) or "fused" (one forward per cycle, `groups` draft groups);
         `tree` > 0 (two-pass, greedy) verifies a tree of that many draft candidates instead of one chain;
         `lookup` > 0 (greedy) adds prompt lookup: up to that many tokens copied from earlier context. Left at
-        None they take the fastest lossless defaults (`loop.auto_cycle`: greedy orthrus verifies an 8-node tree
-        with a trained head, plus lookup of 16 tokens); 0 turns either off.
+        None (with `k`) a greedy two-pass request with a trained head runs what this CPU's measured costs predict
+        fastest (`default_choice`: a tree and lookup, or AR where no cycle pays; `config["choice"]` says which
+        and why); otherwise None takes the fixed defaults (`loop.auto_cycle`). 0 turns either off.
 
         on_text(str) receives text as tokens are committed; on_tokens(list[int]) the committed ids; stop(), asked
         after every cycle, ends decoding early when it returns True (finish reason "stop").
@@ -372,6 +388,11 @@ class OrthrusLM(nn.Module):
         prompt_ids = list(prompt) if isinstance(prompt, (list, tuple)) else encode_prompt(self.tokenizer, prompt,
                                                                                           chat_template)
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        choice = None
+        if (mode == "orthrus" and cycle == "two-pass" and sampling.greedy and tree is None and lookup is None
+                and k is None and self.head_digest != headfile.UNTRAINED):
+            choice = self.default_choice()  # from this CPU's measured costs (`cycles`)
+            mode, tree, lookup = choice.mode, choice.tree, choice.lookup
         tree, lookup = auto_cycle(mode, cycle, sampling.greedy, self.head_digest != headfile.UNTRAINED, tree, lookup)
         cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=k, cycle=cycle, groups=groups, tree=tree, lookup=lookup,
                            sampling=sampling)
@@ -391,7 +412,8 @@ class OrthrusLM(nn.Module):
         speculative = mode == "orthrus"
         config = {"dtype": self.dtype_name, "attn": self.attn, "exact": self.attn == EXACT, "mode": mode,
                   "cycle": cycle if speculative else None, "k": block_size(self.k, cfg) if speculative else None,
-                  "tree": tree if speculative else 0, "lookup": lookup if speculative else 0}
+                  "tree": tree if speculative else 0, "lookup": lookup if speculative else 0,
+                  "choice": choice.to_dict() if choice is not None else None}
         return GenerationOutput(text=text, token_ids=state.generated, stats=state.stats.to_dict(),
                                 prompt_ids=prompt_ids, finish_reason=state.finished, config=config)
 

@@ -1,0 +1,215 @@
+"""The default cycle from the CPU's measured costs (decoding/cycles.py): the cost model, the choice, profiles,
+the cached costs, and what `generate` runs and reports."""
+
+import json
+
+import pytest
+import torch
+
+from lossless.decoding import cycles
+from lossless.decoding.loop import DecodeConfig, decode
+from lossless.names import DEFAULT_LOOKUP, DEFAULT_TREE
+from tests.conftest import tiny_orthrus
+
+# forward costs in steps, as measured on two CPUs (the verify of 9, 13, 17 and 32 rows; the draft pass): Intel
+# Xeon on VDPBF16PS (compute-bound from ~4 rows) and the same CPU with AMX tiles (about one step up to 32 rows)
+INTEL = {"rows": {"1": 1.0, "9": 1.50, "13": 1.92, "17": 2.23, "32": 3.38}, "draft": 1.50}
+AMX = {"rows": {"1": 1.0, "9": 1.02, "13": 1.03, "17": 1.05, "32": 1.10}, "draft": 1.02}
+
+
+def entry(tree, lookup, tokens, drafts, verifies):
+    return {"tree": tree, "lookup": lookup, "tokens": tokens, "drafts": drafts,
+            "verifies": {str(r): n for r, n in verifies.items()}}
+
+
+# 100 tokens: the chain in 40 cycles of 9 rows; the 32-node tree in 25 cycles of 33 rows (more tokens per cycle)
+PROFILE = {"candidates": [entry(0, 0, 100, 40, {9: 40}), entry(32, 0, 100, 25, {33: 25})]}
+
+
+def test_costs_between_measured_rows_are_linear_and_extend_past_the_last():
+    costs = {"rows": {"1": 10.0, "9": 14.0, "17": 30.0}, "draft": 12.0}
+    assert cycles.cost_at(costs, 1) == 10.0 and cycles.cost_at(costs, 9) == 14.0
+    assert cycles.cost_at(costs, 5) == pytest.approx(12.0)
+    assert cycles.cost_at(costs, 13) == pytest.approx(22.0)
+    assert cycles.cost_at(costs, 25) == pytest.approx(46.0)  # the 9-17 slope, on
+    assert cycles.cost_at(costs, 0) == 10.0
+
+
+def test_the_prediction_is_ar_time_over_the_forwards_time():
+    e = entry(8, 16, 60, 10, {9: 6, 17: 4, 13: 2})
+    costs = {"rows": {"1": 10.0, "9": 14.0, "17": 30.0}, "draft": 12.0}
+    spent = 10 * 12.0 + 6 * 14.0 + 4 * 30.0 + 2 * 22.0
+    assert cycles.predict(e, costs) == pytest.approx(60 * 10.0 / spent)
+
+
+def test_cheap_rows_choose_the_big_tree_and_dear_rows_choose_ar():
+    amx = cycles.choose(PROFILE, AMX)
+    assert (amx.mode, amx.tree, amx.lookup) == ("orthrus", 32, 0)
+    assert amx.predicted["tree 32"] > amx.predicted["chain"] > 1.1
+    assert amx.why.startswith("tree 32: predicts") and "17 rows 1.05" in amx.why
+    intel = cycles.choose(PROFILE, INTEL)  # chain: 100 x 1 / (40 x 3.0) = 0.83; tree: 100 / (25 x 5.17) = 0.77
+    assert (intel.mode, intel.tree, intel.lookup) == ("ar", 0, 0)
+    assert intel.predicted["chain"] == pytest.approx(100 / (40 * 3.0), abs=1e-3)
+    assert intel.why.startswith("AR:") and "below the 1.15x" in intel.why
+
+
+def test_a_cycle_must_clear_the_margin_not_just_ar():
+    costs = {"rows": {"1": 1.0, "9": 1.1}, "draft": 1.0}  # the chain predicts 100 / (40 x 2.1) = 1.19
+    assert cycles.choose({"candidates": PROFILE["candidates"][:1]}, costs).mode == "orthrus"
+    assert cycles.choose({"candidates": PROFILE["candidates"][:1]}, costs, margin=1.2).mode == "ar"
+
+
+def test_bookkeeping_outside_the_forwards_counts_per_cycle_and_per_ar_step():
+    keep = {"ar": 0.5, "chain": 1.0, "tree 32": 3.0}
+    assert cycles.bookkeeping_at({"bookkeeping": keep}, 0) == 1.0
+    assert cycles.bookkeeping_at({"bookkeeping": keep}, 16) == pytest.approx(2.0)
+    assert cycles.bookkeeping_at({}, 16) == 0.0  # costs measured without it
+    costs = {"rows": {"1": 10.0, "9": 14.0}, "draft": 12.0, "bookkeeping": keep}
+    e = entry(16, 0, 30, 10, {9: 10})
+    assert cycles.predict(e, costs) == pytest.approx(30 * 10.5 / (10 * 12.0 + 10 * 14.0 + 10 * 2.0))
+
+
+# ------------------------------------------------------------------------------------------- on a model
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny exact-kernel model with a head loaded from disk (a head of its own: the default is chosen)."""
+    root = tmp_path_factory.mktemp("cycles")
+    source = tiny_orthrus("llama", k=4, seed=0)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for p in source.head_parameters().values():
+            p.add_(0.05 * torch.randn_like(p))
+    head = source.save_head(root / "head")
+    model = tiny_orthrus("llama", k=4, seed=0)
+    model.load_head(head)
+    model.set_attn("exact")
+    return model
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(cycles, "cycles_dir", lambda: tmp_path / "cycles")
+    monkeypatch.delenv(cycles.CYCLE_ENV, raising=False)
+    return tmp_path
+
+
+PROMPTS = [[1, 5, 9, 3, 1, 5, 9], [7, 2, 2, 2, 2, 2]]
+
+
+def test_a_profile_counts_every_forward_of_every_candidate(trained):
+    candidates = [(0, 0), (4, 0), (4, 16)]
+    profile = cycles.record_profile(trained, PROMPTS, 12, candidates)
+    assert "draft" not in trained.__dict__ and "verify" not in trained.__dict__  # the counters are gone
+    assert profile["head"] == trained.head_digest and profile["prompts"] == 2
+    ar_tokens = 0
+    for ids in PROMPTS:
+        state = decode(trained, ids, "ar", DecodeConfig(max_new_tokens=12))
+        ar_tokens += len(state.generated) - 1
+    for (tree, lookup), e in zip(candidates, profile["candidates"]):
+        assert (e["tree"], e["lookup"]) == (tree, lookup)
+        cycles_run = sum(e["verifies"].values())
+        # the first token comes from the prefill; every later one from a verify (accepted drafts + AR's token)
+        assert e["tokens"] == ar_tokens  # exact kernels: every cycle commits AR's tokens
+        assert cycles_run <= e["tokens"] and e["drafts"] <= cycles_run
+        rows = sum(int(r) * n for r, n in e["verifies"].items())
+        assert rows >= e["tokens"]  # every committed token is one verify row at least
+    chain = profile["candidates"][0]
+    # the chain drafts before every verify but a last one of one row (one token left: nothing to draft)
+    assert chain["drafts"] == sum(n for r, n in chain["verifies"].items() if r != "1") > 0
+    assert max(int(r) for r in chain["verifies"]) <= 4  # block size k = 4
+
+
+def test_the_tokens_of_every_profiled_cycle_agree_or_the_profile_is_refused(trained, monkeypatch):
+    from lossless.decoding import loop
+    from lossless.errors import LosslessError
+
+    real = loop.decode
+
+    def parting(model, ids, mode, cfg, **kw):  # a candidate whose tokens part from the first candidate's
+        state = real(model, ids, mode, cfg, **kw)
+        if cfg.tree:
+            state.tokens[-1] = (state.tokens[-1] + 1) % 64
+        return state
+    monkeypatch.setattr(loop, "decode", parting)
+    with pytest.raises(LosslessError, match="tree 4 decoded other tokens than chain"):
+        cycles.record_profile(trained, PROMPTS[:1], 6, [(0, 0), (4, 0)])
+
+
+def _write_profile(model, cache, candidates):
+    (cache / "cycles").mkdir(exist_ok=True)
+    profile = {"version": cycles.PROFILE_VERSION, "head": model.head_digest, "candidates": candidates}
+    (cache / "cycles" / f"profile-{model.head_digest}.json").write_text(json.dumps(profile))
+
+
+def test_costs_are_measured_once_then_read_from_the_cache(trained, cache, monkeypatch):
+    measured = []
+    real = cycles.measure_costs
+
+    def counting(model, rounds=12, cache_len=100):
+        measured.append(rounds)
+        return real(model, rounds=1, cache_len=16)
+    monkeypatch.setattr(cycles, "measure_costs", counting)
+    first = cycles.cached_costs(trained)
+    assert measured == [12] and set(first["rows"]) == {str(r) for r in cycles.COST_ROWS}
+    assert all(ms > 0 for ms in first["rows"].values()) and first["draft"] > 0
+    assert set(first["bookkeeping"]) == {"ar", "chain", "tree 32"} and min(first["bookkeeping"].values()) >= 0
+    assert first["variant"] != "stock" and first["key"] == cycles.costs_key(trained)
+    assert cycles.cached_costs(trained) == first and measured == [12]  # from the cache
+    cycles.cached_costs(trained, remeasure=True)
+    assert measured == [12, 12]
+    cycles.costs_path(trained).write_text("{truncated")
+    cycles.cached_costs(trained)  # an unreadable cache file is measured again, not an error
+    assert measured == [12, 12, 12] and json.loads(cycles.costs_path(trained).read_text())["key"] == first["key"]
+
+
+def test_the_costs_key_follows_the_threads_and_the_kernels(trained):
+    key = cycles.costs_key(trained)
+    before = torch.get_num_threads()
+    torch.set_num_threads(before + 1)
+    try:
+        assert cycles.costs_key(trained) != key
+    finally:
+        torch.set_num_threads(before)
+    assert cycles.costs_key(trained) == key
+
+
+def _costs_file(model, cache, costs):
+    path = cycles.costs_path(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"version": cycles.COSTS_VERSION, "key": cycles.costs_key(model), **costs}))
+
+
+@pytest.mark.parametrize("costs, want", [(AMX, ("orthrus", 32, 0)), (INTEL, ("ar", 0, 0))])
+def test_generate_runs_the_choice_and_says_why(trained, cache, costs, want):
+    _write_profile(trained, cache, PROFILE["candidates"])
+    _costs_file(trained, cache, costs)
+    out = trained.generate(PROMPTS[0], max_new_tokens=8)
+    config = out.config
+    assert (config["mode"], config["tree"], config["lookup"]) == want
+    assert config["choice"]["mode"] == want[0] and config["choice"]["why"] == cycles.choose(PROFILE, costs).why
+    if want[0] == "ar":
+        assert out.stats["forwards"] == len(out.token_ids)  # the prefill's token, then one step per token
+    ar = trained.generate(PROMPTS[0], mode="ar", max_new_tokens=8)
+    assert out.token_ids == ar.token_ids and ar.config["choice"] is None  # exact: the same tokens either way
+
+
+def test_explicit_cycles_and_untrained_heads_keep_the_fixed_defaults(trained, cache, monkeypatch):
+    _write_profile(trained, cache, PROFILE["candidates"])
+    _costs_file(trained, cache, INTEL)
+    explicit = trained.generate(PROMPTS[0], max_new_tokens=6, tree=4)
+    assert explicit.config["choice"] is None and (explicit.config["tree"], explicit.config["lookup"]) == (4, DEFAULT_LOOKUP)
+    assert trained.generate(PROMPTS[0], max_new_tokens=6, k=3).config["choice"] is None
+    assert trained.generate(PROMPTS[0], max_new_tokens=6, temperature=0.7).config["choice"] is None
+    untrained = tiny_orthrus("llama", k=4, seed=0)
+    assert untrained.generate(PROMPTS[0], max_new_tokens=6).config["choice"] is None
+    monkeypatch.setenv(cycles.CYCLE_ENV, "fixed")
+    fixed = trained.generate(PROMPTS[0], max_new_tokens=6).config
+    assert (fixed["mode"], fixed["tree"], fixed["lookup"]) == ("orthrus", DEFAULT_TREE, DEFAULT_LOOKUP)
+    assert "fixed" in fixed["choice"]["why"]
+
+
+def test_a_head_without_a_profile_takes_the_fixed_default_and_says_how_to_record_one(trained, cache):
+    choice = trained.default_choice()
+    assert (choice.mode, choice.tree, choice.lookup) == ("orthrus", DEFAULT_TREE, DEFAULT_LOOKUP)
+    assert "lossless costs --profile" in choice.why and not choice.predicted
+    assert not cycles.costs_path(trained).exists()  # nothing measured without a profile to use it
