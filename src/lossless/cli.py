@@ -510,6 +510,10 @@ def cmd_costs(args) -> int:
     for rows, ms in costs["rows"].items():
         print(f"  {('verify ' + rows + ' row' + ('s' if rows != '1' else '')):<18}{ms:>8.2f}{ms / step:>8.2f}")
     print(f"  {'draft pass k=' + str(model.k):<18}{costs['draft']:>8.2f}{costs['draft'] / step:>8.2f}")
+    keep = costs.get("bookkeeping", {})
+    if keep:
+        print(f"bookkeeping outside the forwards: {keep['ar']:.2f} ms per AR step, {keep['chain']:.2f} ms per chain "
+              f"cycle, {keep['tree 32']:.2f} ms per 32-node tree cycle")
     if choice.predicted:
         print("predicted speed-up over AR (the head's cycle profile at these costs):")
         for name, x in sorted(choice.predicted.items(), key=lambda kv: -kv[1]):
