@@ -41,6 +41,7 @@ import lossless
 import peers
 from lossless import paths
 from lossless.training.distill import read_prompts
+from lossless.decoding.head import UNTRAINED
 from lossless.errors import LosslessError
 from lossless.jsonio import read_jsonl
 from lossless.names import DEFAULT_LOOKUP, DEFAULT_TREE, EXACT, positive_int
@@ -135,6 +136,8 @@ def run_variant(model, kind, setting, ids, max_new_tokens, args, trees, fused, c
     if kind == "orthrus_fused":
         return run_ours(model, ids, max_new_tokens, "orthrus", setting[0], "fused", setting[1])
     if kind == "default":  # what `lossless generate` runs with no cycle options: chosen from this CPU's costs
+        if model.head_digest == UNTRAINED:  # as `generate`: the chain and lookup
+            return run_ours(model, ids, max_new_tokens, "orthrus", None, tree=0, lookup=DEFAULT_LOOKUP)
         choice = model.default_choice()
         return run_ours(model, ids, max_new_tokens, choice.mode, None, tree=choice.tree, lookup=choice.lookup)
     return run_ours(model, ids, max_new_tokens, kind, args.k)
@@ -274,7 +277,7 @@ def main(argv=None) -> int:
         if a == EXACT and m.exact_ops:
             print(f"{a} kernels: {'; '.join(m.exact_ops)}")
     for name, (kernel, kind, _) in variants.items():
-        if kind == "default":
+        if kind == "default" and models[kernel].head_digest != UNTRAINED:
             summary[name]["choice"] = models[kernel].default_choice().to_dict()
             print(f"{name}: {summary[name]['choice']['why']}")
     if "peer" in models:

@@ -1,5 +1,6 @@
 """Tiny random backbones (2 layers) shared by the unit tests, and small helpers built on them."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,10 @@ from lossless.decoding.model import OrthrusLM
 # The tiny models are dominated by per-op overhead; with several intra-op threads on a busy machine the
 # OpenMP barriers can make a single forward 100x slower. One thread keeps the suite fast and steady.
 torch.set_num_threads(1)
+# The default cycle follows this machine's measured costs (decoding/cycles.py): tests that use the default get the
+# fixed one (tree 8 + lookup 16 with a trained head), so that what they check does not depend on the CPU's timings;
+# tests of the choice itself unset this.
+os.environ["LOSSLESS_CYCLE"] = "fixed"
 
 VOCAB = 64
 NO_EOS = (-1,)  # an eos_ids value no token matches: decoding runs to max_new_tokens

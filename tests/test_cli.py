@@ -275,6 +275,9 @@ def test_costs_profiles_a_head_measures_the_cpu_and_generate_runs_what_they_choo
     rc = main(["costs", "--model", dirs["model"], "--head", head, "--attn", "sdpa", "--profile"])
     captured = capsys.readouterr()
     _assert_one_line_error(rc, captured.out, captured.err, "--attn exact")
+    rc = main(["costs", "--model", dirs["model"], "--head", head, "--profile", "--max-new-tokens", "1"])
+    captured = capsys.readouterr()
+    _assert_one_line_error(rc, captured.out, captured.err, "--max-new-tokens must be >= 2")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n" + json.dumps({"prompt": "the cat the cat the"}) + "\n")
     rc = main(["costs", "--model", dirs["model"], "--head", head, "--profile", "--prompts", str(prompts),

@@ -2,7 +2,7 @@
 
     import lossless
     model = lossless.load_model("smollm2-135m")   # exact kernels; bf16 where the CPU multiplies it natively
-    out = model.generate("Write a haiku about rain.", max_new_tokens=128)   # tree + lookup, equal to AR
+    out = model.generate("Write a haiku about rain.", max_new_tokens=128)   # the cycle this CPU pays for, equal to AR
     out.text, out.token_ids, out.stats, out.config
 
 Nothing heavy runs at import; models load on `load_model`.

@@ -466,9 +466,10 @@ def cmd_costs(args) -> int:
     from .paths import make_dir, write_atomically
     from .text import encode_prompt
 
-    if args.max_new_tokens < 1:
-        raise LosslessError("--max-new-tokens must be >= 1")
     prompts = None
+    if args.profile and args.max_new_tokens < 2:
+        raise LosslessError("--max-new-tokens must be >= 2 for a profile (the first token comes from the prompt's "
+                            "forward; cycles start with the second)")
     if args.profile:
         from .training.distill import read_prompts
 
@@ -576,9 +577,8 @@ def cmd_serve(args) -> int:
     if args.batch is not None and args.batch > 1 and model.attn != EXACT:  # --attn auto chose stock kernels here
         raise LosslessError(f"--batch {args.batch} needs exact kernels, which this device has not: --batch 1")
     batch = args.batch if args.batch is not None else DEFAULT_BATCH if model.attn == EXACT else 1
-    if (args.mode == "orthrus" and args.cycle == "two-pass" and args.tree is None and args.lookup is None
-            and args.k is None and model.head_digest != UNTRAINED):  # measured now (once per CPU), not in a request
-        logging.getLogger("lossless.serve").info("greedy requests with no cycle of their own: %s",
+    if model.head_digest != UNTRAINED:  # this CPU's costs measured now (once per CPU), not inside a request
+        logging.getLogger("lossless.serve").info("greedy two-pass requests with no tree, lookup or k of their own: %s",
                                                  model.default_choice().why)
     app = create_app(model, defaults, model_name=args.served_model_name, api_key=key, max_queue=args.max_queue,
                      max_body=args.max_body, batch=batch, prefill_chunk=args.prefill_chunk)
@@ -620,14 +620,15 @@ def _generate_parser(sub) -> None:
     _add_cycle_args(g)
     g.add_argument("--tree", type=_number(int, "--tree", at_least=0, note=" (0 = none)"), nargs="?", const=DEFAULT_TREE, default=None, metavar="NODES",
                    help=f"two-pass, greedy: verify a tree of NODES draft candidates (the top drafts and their runners-up; "
-                        f"{DEFAULT_TREE} without a number) instead of one chain; 0 = the chain (default, greedy and two-pass with a "
-                        f"trained head: with --lookup, the cycle this CPU's measured forward costs predict fastest, "
-                        f"or AR where none pays: see `lossless costs`; else 0)")
+                        f"{DEFAULT_TREE} without a number) instead of one chain; 0 = the chain (default: when greedy and two-pass "
+                        f"with a trained head and none of --tree, --lookup, --k given, the cycle this CPU's measured "
+                        f"forward costs predict fastest, or AR where none pays (see `lossless costs`); otherwise "
+                        f"{DEFAULT_TREE} when greedy, two-pass and the head is trained, else 0)")
     g.add_argument("--lookup", type=_number(int, "--lookup", at_least=0, note=" (0 = none)"), nargs="?", const=DEFAULT_LOOKUP, default=None, metavar="TOKENS",
                    help=f"greedy: prompt lookup beside the drafts: copy up to TOKENS tokens that followed the "
                         f"context's last tokens where they occurred before ({DEFAULT_LOOKUP} without a number) and verify "
                         f"them too; a match of 2+ tokens is verified alone, without a draft pass; 0 = none (default: "
-                        f"chosen with --tree from this CPU's costs; {DEFAULT_LOOKUP} when greedy with --tree given, "
+                        f"chosen with --tree from this CPU's costs, as there; otherwise {DEFAULT_LOOKUP} when greedy, "
                         f"else 0)")
     g.add_argument("--temperature", type=_number(float, "--temperature", at_least=0, note=" (0 = greedy)"),
                    default=0.0, help="0 = greedy")
@@ -687,9 +688,12 @@ def _serve_parser(sub) -> None:
     sv.add_argument("--k", type=_number(int, "--k", at_least=1), default=None, help="default block size (default: the head's k)")
     _add_cycle_args(sv)
     sv.add_argument("--tree", type=_number(int, "--tree", at_least=0), default=None, metavar="NODES",
-                    help=f"default tree of greedy requests (default: {DEFAULT_TREE} with a trained head)")
+                    help=f"default tree of greedy requests (default: with a trained head, what this CPU's costs "
+                         f"choose for a request that sets none of tree, lookup, k: see `lossless costs`; else "
+                         f"{DEFAULT_TREE} with a trained head)")
     sv.add_argument("--lookup", type=_number(int, "--lookup", at_least=0), default=None, metavar="TOKENS",
-                    help=f"default prompt lookup of greedy requests (default: {DEFAULT_LOOKUP})")
+                    help=f"default prompt lookup of greedy requests (default: chosen with --tree; else "
+                         f"{DEFAULT_LOOKUP})")
     sv.add_argument("--temperature", type=_number(float, "--temperature", at_least=0, at_most=2), default=0.0,
                     help="default temperature (0 = greedy, as `lossless generate`; the OpenAI API's default is 1)")
     sv.add_argument("--top-k", type=_number(int, "--top-k", at_least=0), default=0, help="default top-k (0 = none)")

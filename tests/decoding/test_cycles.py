@@ -162,7 +162,9 @@ def test_costs_are_measured_once_then_read_from_the_cache(trained, cache, monkey
     assert measured == [12, 12, 12] and json.loads(cycles.costs_path(trained).read_text())["key"] == first["key"]
 
 
-def test_the_costs_key_follows_the_threads_and_the_kernels(trained):
+def test_the_costs_key_follows_the_threads_the_kernels_and_the_heads_block(trained):
+    from lossless.decoding import kernels
+
     key = cycles.costs_key(trained)
     before = torch.get_num_threads()
     torch.set_num_threads(before + 1)
@@ -171,6 +173,58 @@ def test_the_costs_key_follows_the_threads_and_the_kernels(trained):
     finally:
         torch.set_num_threads(before)
     assert cycles.costs_key(trained) == key
+    with kernels.use_isa("scalar"):  # every x86-64 CPU here runs it
+        assert cycles.costs_key(trained) != key
+    other = tiny_orthrus("llama", k=3, seed=0)  # the same backbone, a head of another block size
+    other.set_attn("exact")
+    assert cycles.costs_key(other) != key
+
+
+def test_a_watch_inside_a_watch_counts_in_both_and_leaves_the_model_as_it_was(trained):
+    with cycles._Watching(trained) as outer:
+        with cycles._Watching(trained) as inner:
+            decode(trained, PROMPTS[0], "orthrus", DecodeConfig(max_new_tokens=6))
+        assert "verify" in trained.__dict__  # the outer watch's wrapper is back
+        decode(trained, PROMPTS[0], "orthrus", DecodeConfig(max_new_tokens=6))
+    assert not {"prefill", "step", "draft", "verify", "verify_tree"} & set(trained.__dict__)
+    assert outer.drafts == 2 * inner.drafts > 0 and outer.verifies == {r: 2 * n for r, n in inner.verifies.items()}
+    assert 0 < inner.seconds < outer.seconds
+
+
+@pytest.mark.parametrize("profile_text, costs_text", [
+    ('{"version": 1, "candidates": []}', None),  # no candidates
+    ('[1, 2]', None),  # JSON, not an object
+    ('{"version": 1, "candidates": [{"tree": 0, "lookup": 0, "tokens": 0, "drafts": 0, "verifies": {}}]}', None),
+    (None, '{"version": 2, "rows": {"1": 10.0}, "draft": 12.0}'),  # one row count: nothing to interpolate
+    (None, '["not", "costs"]'),
+    (None, '{"version": 2, "rows": {"1": 10.0, "9": -1}, "draft": 12.0}'),
+])
+def test_a_bad_profile_or_costs_file_falls_back_instead_of_failing(trained, cache, profile_text, costs_text):
+    (cache / "cycles").mkdir(exist_ok=True)
+    _write_profile(trained, cache, PROFILE["candidates"])
+    if profile_text is not None:
+        text = profile_text.replace('"version": 1,', f'"version": 1, "head": "{trained.head_digest}",')
+        cycles.recorded_profile_path(trained).write_text(text)
+        _costs_file(trained, cache, AMX)
+    if costs_text is not None:
+        path = cycles.costs_path(trained)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(costs_text.replace('"version": 2,', f'"version": 2, "key": "{cycles.costs_key(trained)}",'))
+    choice = trained.default_choice()  # no traceback: a fixed default, or costs measured again
+    assert choice.mode in ("ar", "orthrus")
+    if profile_text is not None:
+        assert (choice.tree, choice.lookup) == (DEFAULT_TREE, DEFAULT_LOOKUP) and "fixed default" in choice.why
+    else:
+        assert cycles.valid_costs(json.loads(cycles.costs_path(trained).read_text()))  # measured again
+    assert trained.generate(PROMPTS[0], max_new_tokens=4).token_ids
+
+
+def test_a_profile_recorded_later_in_the_process_is_used(trained, cache):
+    first = trained.default_choice()
+    assert not first.predicted  # no profile yet: the fixed default
+    _write_profile(trained, cache, PROFILE["candidates"])
+    _costs_file(trained, cache, AMX)
+    assert trained.default_choice().tree == 32
 
 
 def _costs_file(model, cache, costs):
@@ -213,3 +267,14 @@ def test_a_head_without_a_profile_takes_the_fixed_default_and_says_how_to_record
     assert (choice.mode, choice.tree, choice.lookup) == ("orthrus", DEFAULT_TREE, DEFAULT_LOOKUP)
     assert "lossless costs --profile" in choice.why and not choice.predicted
     assert not cycles.costs_path(trained).exists()  # nothing measured without a profile to use it
+
+
+def test_the_shipped_head_brings_the_profile_of_its_own_digest():
+    from lossless.decoding.head import stored_head_digest
+    from lossless.paths import HEADS_DIR
+
+    profile = json.loads((HEADS_DIR / "smollm2-135m" / cycles.PROFILE_FILE).read_text())
+    assert profile["version"] == cycles.PROFILE_VERSION
+    assert profile["head"] == stored_head_digest(HEADS_DIR / "smollm2-135m")  # a new head needs a new profile
+    assert [(e["tree"], e["lookup"]) for e in profile["candidates"]] == list(cycles.CANDIDATES)
+    assert len({e["tokens"] for e in profile["candidates"]}) == 1  # recorded on exact kernels: the same tokens

@@ -10,8 +10,8 @@ steps (VDPBF16PS on 2 Intel vCPUs), even the 8-node tree is AR's speed. So the d
   recorded once per head (`record_profile`; `lossless costs --profile` for a head of one's own) and the shipped
   head brings its own (`heads/<model>/cycles.json`);
 - the **forward costs** of this CPU, measured once per kernel build, CPU model, thread count, model and dtype
-  (`measure_costs`: forwards of 1 to 40 rows and the draft pass, alternating, medians over rounds) and cached
-  under `cache_dir()/cycles`; `lossless costs --remeasure` measures again;
+  (`measure_costs`: forwards of 1 to 40 rows and the draft pass, alternating, the first quartile over rounds;
+  a cycle's bookkeeping outside its forwards) and cached under `cache_dir()/cycles`; `lossless costs --remeasure` measures again;
 - the **choice** (`choose`): each candidate's predicted speed-up over AR is its tokens times a step's cost over
   the sum of its forwards' costs (row counts between the measured ones interpolated); the best one runs if it
   predicts at least MARGIN x AR, else AR does, so that the default is not slower than exact AR where the
@@ -109,11 +109,15 @@ def predict(entry: dict, costs: dict) -> float:
 
 def choose(profile: dict, costs: dict, margin: float = MARGIN) -> Choice:
     """The candidate of `profile` predicting the highest speed-up over AR at `costs`, if it reaches `margin`;
-    else AR."""
+    else AR. (A profile that decoded nothing has nothing to predict from: the fixed default.)"""
+    ran = [e for e in profile["candidates"] if e["tokens"] > 0 and (e["drafts"] or e["verifies"])]
+    if not ran:
+        return fixed_choice(f"{label(DEFAULT_TREE, DEFAULT_LOOKUP)}: the fixed default (the head's cycle profile "
+                            f"decoded no cycles; record it again with more --max-new-tokens)")
     predicted = {}
-    for entry in profile["candidates"]:
+    for entry in ran:
         predicted[label(entry["tree"], entry["lookup"])] = round(predict(entry, costs), 3)
-    best = max(profile["candidates"], key=lambda e: predicted[label(e["tree"], e["lookup"])])
+    best = max(ran, key=lambda e: predicted[label(e["tree"], e["lookup"])])
     name, speedup = label(best["tree"], best["lookup"]), predicted[label(best["tree"], best["lookup"])]
     steps = _cost_words(costs)
     if speedup < margin:
@@ -150,6 +154,15 @@ def profile_path(model) -> Path | None:
     return Path(model.head_dir) / PROFILE_FILE
 
 
+def profile_stamp(model) -> tuple:
+    """(where the profile is looked for, its modification time or None): a profile recorded later shows."""
+    path = profile_path(model)
+    try:
+        return str(path), path.stat().st_mtime_ns
+    except OSError:
+        return str(path), None
+
+
 def load_profile(model) -> dict | None:
     """The cycle profile of the model's loaded head, or None (an untrained head, or none recorded)."""
     path = profile_path(model)
@@ -160,22 +173,53 @@ def load_profile(model) -> dict | None:
     except (OSError, ValueError):
         log.warning("ignoring an unreadable cycle profile %s", path)
         return None
-    if profile.get("version") != PROFILE_VERSION or profile.get("head") != model.head_digest:
+    if not valid_profile(profile) or profile.get("head") != model.head_digest:
+        if isinstance(profile, dict) and profile.get("head") == model.head_digest:
+            log.warning("ignoring a cycle profile of another version or shape: %s", path)
         return None
     return profile
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def valid_profile(profile) -> bool:
+    """Whether `profile` has this version's shape: candidates of (tree, lookup, tokens, drafts, verifies)."""
+    if not isinstance(profile, dict) or profile.get("version") != PROFILE_VERSION:
+        return False
+    entries = profile.get("candidates")
+    return isinstance(entries, list) and bool(entries) and all(
+        isinstance(e, dict) and all(_count(e.get(f)) for f in ("tree", "lookup", "tokens", "drafts"))
+        and isinstance(e.get("verifies"), dict)
+        and all(str(r).isdigit() and int(r) > 0 and _count(n) for r, n in e["verifies"].items()) for e in entries)
+
+
+def valid_costs(costs) -> bool:
+    """Whether `costs` has this version's shape: positive times of at least two row counts and the draft pass."""
+    if not isinstance(costs, dict) or costs.get("version") != COSTS_VERSION:
+        return False
+    rows, keep = costs.get("rows"), costs.get("bookkeeping", {})
+    number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and 0 <= x < 1e9  # noqa: E731
+    return (isinstance(rows, dict) and len(rows) >= 2 and "1" in rows
+            and all(str(r).isdigit() and number(ms) and ms > 0 for r, ms in rows.items())
+            and number(costs.get("draft")) and costs["draft"] > 0
+            and isinstance(keep, dict) and all(number(v) for v in keep.values()))
 
 
 class _Watching:
     """Counts the forwards a model runs while decoding (draft passes; verifies by their row count) and the time
     spent inside them (a forward that calls another counts once)."""
 
-    PASSES = ("prefill", "step", "draft", "verify", "verify_tree", "keep_cache_rows")
+    PASSES = ("prefill", "step", "draft", "verify", "verify_tree")  # what else a cycle does is its bookkeeping
 
     def __init__(self, model):
         self.model, self.drafts, self.verifies, self.seconds, self._depth = model, 0, {}, 0.0, 0
+        self._before: dict = {}
 
     def __enter__(self):
         for name in self.PASSES:
+            self._before[name] = self.model.__dict__.get(name)  # a wrapper already there (a watch inside a watch)
             setattr(self.model, name, self._watched(name, getattr(self.model, name)))
         return self
 
@@ -198,7 +242,10 @@ class _Watching:
 
     def __exit__(self, *exc):
         for name in self.PASSES:
-            self.model.__dict__.pop(name, None)
+            if self._before[name] is None:
+                self.model.__dict__.pop(name, None)
+            else:
+                self.model.__dict__[name] = self._before[name]
 
 
 def record_profile(model, prompts: list[list[int]], max_new_tokens: int, candidates=CANDIDATES,
@@ -235,11 +282,12 @@ def record_profile(model, prompts: list[list[int]], max_new_tokens: int, candida
 # --------------------------------------------------------------------------------------------- costs
 def costs_key(model) -> str:
     """What the costs depend on: the kernels (exact mode's sources and variant, or torch's), the CPU, the thread
-    count, the model's shapes and dtype."""
+    count, the model's shapes and dtype, and the head's block size and draft adapter (the draft pass)."""
     from . import kernels
 
     parts = [str(COSTS_VERSION), model.attn, model.dtype_name, model.fingerprint, str(torch.get_num_threads()),
-             torch.__version__, kernels.cpu_model(), " ".join(sorted(kernels.cpu_flags()))]
+             torch.__version__, kernels.cpu_model(), " ".join(sorted(kernels.cpu_flags())),
+             f"k={model.k} adapter={model.head_info.draft_adapter}"]  # the draft pass's rows and its modules
     if model.attn == EXACT:
         parts += [kernels.source_digest(), kernels.isa()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
@@ -252,9 +300,9 @@ def costs_path(model) -> Path:
 def measure_costs(model, rounds: int = 12, cache_len: int = 100, decode_tokens: int = 32) -> dict:
     """This CPU's costs, in milliseconds: verify forwards of COST_ROWS rows and a draft pass at `cache_len` cached
     positions, each timed once per round in alternation (so a slow moment of the machine hits all of them), the
-    median of `rounds` kept after one round to warm up; and the bookkeeping of a decode cycle outside its forwards
-    (accepting, committing, building the tree, looking up), from `decode_tokens`-token decodes of AR, the chain
-    and the 32-node tree (the least of two)."""
+    first quartile of `rounds` kept after one round to warm up; and the bookkeeping of a decode cycle outside its
+    forwards (accepting, committing, building the tree, moving the accepted path's cache rows), from
+    `decode_tokens`-token decodes of AR, the chain and the 32-node tree (the least of two)."""
     from . import kernels
     from .loop import DecodeConfig, commit_cache, decode
 
@@ -302,7 +350,7 @@ def cached_costs(model, remeasure: bool = False) -> dict:
     if not remeasure and path.exists():
         try:
             costs = json.loads(path.read_text())
-            if costs.get("version") == COSTS_VERSION and costs.get("key") == costs_key(model):
+            if valid_costs(costs) and costs.get("key") == costs_key(model):
                 return costs
         except (OSError, ValueError):
             pass
@@ -320,6 +368,9 @@ def default_choice(model, remeasure: bool = False) -> Choice:
     """What a greedy two-pass orthrus request with no tree or lookup of its own runs on this CPU."""
     if os.environ.get(CYCLE_ENV, "").strip() == "fixed":
         return fixed_choice(f"{label(DEFAULT_TREE, DEFAULT_LOOKUP)}: the fixed default ({CYCLE_ENV}=fixed)")
+    if model.device.type != "cpu":
+        return fixed_choice(f"{label(DEFAULT_TREE, DEFAULT_LOOKUP)}: the fixed default (forward costs are measured "
+                            f"on the CPU only)")
     profile = load_profile(model)
     if profile is None:
         return fixed_choice(f"{label(DEFAULT_TREE, DEFAULT_LOOKUP)}: the fixed default (no cycle profile for this "

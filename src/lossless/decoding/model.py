@@ -355,7 +355,8 @@ class OrthrusLM(nn.Module):
         and thread count."""
         from . import cycles
 
-        key = (cycles.costs_key(self), self.head_digest, os.environ.get(cycles.CYCLE_ENV), str(cycles.cycles_dir()))
+        key = (cycles.costs_key(self), self.head_digest, os.environ.get(cycles.CYCLE_ENV), cycles.profile_stamp(self),
+               str(self.device))
         if remeasure or self._choice is None or self._choice[0] != key:
             self._choice = (key, cycles.default_choice(self, remeasure))
         return self._choice[1]
