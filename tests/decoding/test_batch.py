@@ -185,3 +185,78 @@ def test_a_greedy_decode_begun_alone_goes_on_in_a_batch_with_the_same_tokens(cut
     assert seq.state.stats.forwards > forwards and seq.state.stats.new_tokens == 20  # counting on
     with pytest.raises(LosslessError, match="greedy"):
         dec.add(prompt, DecodeConfig(sampling=SamplingConfig(temperature=0.5)), generated=[1])
+
+
+def test_a_sequence_whose_own_step_fails_ends_alone_and_the_others_finish():
+    """A sampled sequence whose distribution cannot be sampled (a temperature past the validation floor, set after
+    it, as a request that slipped through would) and one whose token callback raises end with their own error;
+    the greedy one beside them gets the tokens it gets alone."""
+    model = exact_model("llama", torch.float32)
+    dec = BatchDecoder(model)
+    broken = SamplingConfig(temperature=0.5, seed=1)
+    broken.temperature = 1e-40  # logits / 1e-40 overflow: NaN probabilities, and torch.multinomial raises
+    bad_sample = dec.add([1, 2, 3], DecodeConfig(max_new_tokens=12, eos_ids=NO_EOS, sampling=broken))
+    calls = []
+
+    def failing(ids):
+        calls.append(ids)
+        if len(calls) == 3:
+            raise ValueError("the client's text callback failed")
+    bad_callback = dec.add([7, 8], DecodeConfig(max_new_tokens=12, eos_ids=NO_EOS), on_tokens=failing)
+    good = dec.add([4, 5, 6], DecodeConfig(max_new_tokens=10, eos_ids=NO_EOS, record_margins=True))
+    ended = []
+    while good.finished is None:
+        ended += dec.step()
+    assert bad_sample in ended and bad_sample.finished == "error" and isinstance(bad_sample.error, RuntimeError)
+    assert bad_callback in ended and bad_callback.finished == "error"
+    assert str(bad_callback.error) == "the client's text callback failed" and len(calls) == 3
+    assert good.error is None
+    assert_same(good, alone(model, [4, 5, 6], DecodeConfig(max_new_tokens=10, eos_ids=NO_EOS)))
+
+
+def test_an_engine_fails_only_the_job_whose_own_step_failed(monkeypatch):
+    import asyncio
+
+    from lossless.decoding import batch as batch_module
+    from lossless.serving.engine import Engine, Job
+
+    real = batch_module.sample
+
+    def sample(probs, generator):  # the seed-13 request's sampling fails, as an unsampleable one did
+        if generator.initial_seed() == 13:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return real(probs, generator)
+    monkeypatch.setattr(batch_module, "sample", sample)
+    model = exact_model("llama", torch.float32)
+    engine = Engine(model, batch=4)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        settings = dict(mode="ar", max_new_tokens=10, temperature=0.0, top_k=0, top_p=1.0, seed=0)
+        jobs = [Job([1, 5, 9, 3], {**settings, "temperature": 0.7, "seed": 13}, [], loop),
+                Job([1, 5, 9, 3], {**settings, "temperature": 0.7, "seed": 2}, [], loop),
+                Job([4, 5, 6], settings, [], loop)]
+        for job in jobs:
+            engine.submit(job)
+        out = []
+        for job in jobs:
+            while (event := await asyncio.wait_for(job.events.get(), 60))[0] == "text":
+                pass
+            out.append(event)
+        return out
+    try:
+        results = asyncio.run(run())
+    finally:
+        engine.close()
+    assert results[0][0] == "error" and "probability tensor" in str(results[0][1])
+    assert [kind for kind, _ in results[1:]] == ["done", "done"]
+    sampled = decode(model, [1, 5, 9, 3], "ar", DecodeConfig(max_new_tokens=10, sampling=SamplingConfig(0.7, seed=2)))
+    assert results[1][1].token_ids == sampled.generated
+    assert results[2][1].token_ids == decode(model, [4, 5, 6], "ar", DecodeConfig(max_new_tokens=10)).generated
+
+
+def test_temperatures_that_overflow_the_logits_are_refused():
+    for t in (1e-40, 1e-320, 9e-6, float("nan"), float("inf")):
+        with pytest.raises(LosslessError, match="--temperature"):
+            SamplingConfig(temperature=t)
+    assert SamplingConfig(temperature=1e-5).probs(torch.tensor([[3.0, 1.0, -2.0]])).isfinite().all()

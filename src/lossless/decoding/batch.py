@@ -75,6 +75,7 @@ class Sequence:
     pending: list[int] = field(default_factory=list)  # ids to feed: the prompt rows not run yet, then the last token
     drafts: list[int] = field(default_factory=list)  # this step's lookup tokens, after `pending`
     started: float = field(default_factory=time.perf_counter)
+    error: Exception | None = None  # what ended it (finish reason "error"): its own choice, commit or callback failed
 
     @property
     def finished(self) -> str | None:
@@ -135,14 +136,20 @@ class BatchDecoder:
     def step(self) -> list[Sequence]:
         """One forward over the active sequences' rows (a joining one's next prompt chunk, while the step's
         `prefill_chunk` rows last): commit each one's new tokens (calling its `on_tokens`). Returns the sequences
-        that finished in it or before it (e.g. by `finish`), which leave the batch."""
+        that finished in it or before it (e.g. by `finish`), which leave the batch. A sequence whose own part of
+        the step fails (its token choice, its commit, its `on_tokens`) ends with finish reason "error" and the
+        exception in `error`; the others' step goes on (the forward itself failing fails the step)."""
         fed = self._feed(self.active)  # sequence -> how many of its pending rows run now (a prompt: a chunk)
         if fed:
             for seq, n in fed.items():  # 1. propose: prompt lookup's copies after the last token, where it applies
                 seq.drafts = self._lookup(seq) if n == len(seq.pending) else []
             logits = self._forward(fed)  # 2. verify: one forward, each sequence's rows seeing its own keys
             for seq, rows in logits.items():  # 3. accept, 4. commit (a sequence whose whole prompt has run)
-                self._commit(seq, rows)
+                try:
+                    self._commit(seq, rows)
+                except Exception as exc:  # noqa: BLE001 - its sampling, commit or callback: it alone ends
+                    seq.error = exc
+                    seq.state.finished = "error"
         ended = [s for s in self.sequences if s.finished is not None]
         self.sequences = [s for s in self.sequences if s.finished is None]
         self._maybe_compact()

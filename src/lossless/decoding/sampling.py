@@ -14,6 +14,12 @@ import torch
 from ..errors import LosslessError
 
 
+# the smallest temperature a sampled decode takes: logits over a temperature near the float32 range's end overflow
+# to inf, and their softmax is NaN (1e-40 and 1e-320 did); below 1e-5 the samples are the argmax for any logits
+# that are not ties to 5 decimals, which greedy decoding (temperature 0) gives outright
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingConfig:
     """temperature 0 means greedy; top_k 0 and top_p 1.0 disable those filters."""
@@ -24,8 +30,11 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
+        if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN too
             raise LosslessError("--temperature must be >= 0 (0 = greedy)")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise LosslessError(f"--temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}: logits divided by "
+                                f"{self.temperature:g} overflow (use 0 for the most likely token)")
         if self.top_k < 0:
             raise LosslessError("--top-k must be >= 0 (0 = no top-k filter)")
         if not 0.0 < self.top_p <= 1.0:

@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from ..decoding.sampling import SamplingConfig
 from ..errors import LosslessError
 from ..text import encode_messages, encode_prompt
 from .engine import Engine, Job, QueueFull, Result, ShuttingDown
@@ -274,9 +275,16 @@ def generate_settings(req, ids: list[int], model, defaults: Defaults) -> dict:
                             f"{model.max_positions}: shorten the prompt or lower max_tokens",
                        param="max_tokens", code="context_length_exceeded")
     seed = req.seed if req.seed is not None else defaults.seed if defaults.seed is not None else secrets.randbits(62)
+    top_k = ext.top_k if ext.top_k is not None else defaults.top_k
+    top_p = defaults.top_p if req.top_p is None else float(req.top_p)
+    try:  # values no sampler can use (a temperature that overflows the logits): refused before the job queues
+        SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    except LosslessError as exc:
+        param = "temperature" if "temperature" in str(exc) else "top_p" if "top-p" in str(exc) else "lossless.top_k"
+        raise ApiError(400, str(exc).replace("--top-p", "top_p").replace("--top-k", "top_k")
+                       .replace("--temperature", "temperature"), param=param, code="invalid_value") from None
     return dict(mode=ext.mode or defaults.mode, max_new_tokens=asked or min(defaults.max_tokens, room), k=k,
-                temperature=temperature, top_k=ext.top_k if ext.top_k is not None else defaults.top_k,
-                top_p=defaults.top_p if req.top_p is None else float(req.top_p), seed=seed, cycle=cycle,
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, cycle=cycle,
                 groups=defaults.groups, tree=tree, lookup=lookup)
 
 

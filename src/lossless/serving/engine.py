@@ -234,6 +234,9 @@ class Engine:
                 continue
             for seq in ended:
                 entry = live.pop(seq)
+                if seq.error is not None:  # its own failure: the others decode on
+                    self._done(entry.job, _failed(seq.error))
+                    continue
                 try:
                     result = self._result(entry, seq)
                 except Exception as exc:
