@@ -588,10 +588,16 @@ def cmd_serve(args) -> int:
         f"up to {batch} requests decoding together" if batch > 1 else "one request at a time", args.host, args.port,
         " (API key required)" if key else "")
     engine = app.state.engine
+    failed: list[Exception] = []
+
+    def on_failure(exc: Exception) -> None:  # the decoding thread died: stop serving, exit 1 (a supervisor restarts)
+        failed.append(exc)
+        os.kill(os.getpid(), signal.SIGTERM)
+    engine.on_failure = on_failure
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: cancel the decodes now, so every stream ends in time
-            engine.stop()
+            engine.stop_soon()  # not here: this thread may hold the engine's lock (submit, a request's clean-up)
             super().handle_exit(sig, frame)
 
     # uvicorn shuts down gracefully, then raises the signal again under the handlers it found: these make that a
@@ -605,6 +611,10 @@ def cmd_serve(args) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if failed:
+        print(f"lossless: error: the decoding engine failed ({type(failed[0]).__name__}: {failed[0]}); see the log "
+              f"above, and restart the server", file=sys.stderr)
+        return 1
     logging.getLogger("lossless.serve").info("stopped%s", f" ({signal.Signals(stopped[0]).name})" if stopped else "")
     return 0
 

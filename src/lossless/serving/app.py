@@ -146,7 +146,10 @@ def create_app(model, defaults: Defaults | None = None, *, model_name: str | Non
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": name, "queue": engine.depth()}
+        if engine.failure is not None:  # the decoding thread died: nothing will be answered (the server exits)
+            return JSONResponse({"status": "engine failed", "model": name, "error": type(engine.failure).__name__},
+                                503)
+        return {"status": "ok", "model": name, "queue": await asyncio.to_thread(engine.depth)}
 
     def check_model(asked: str) -> None:
         if asked != name:

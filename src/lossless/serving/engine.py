@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from ..errors import LosslessError
@@ -80,9 +80,14 @@ class Job:
 class Engine:
     """Decodes jobs in the order they came, on one thread that owns `model`: one at a time, or up to `batch`
     together (exact kernels). A place in the queue is held by a job that waits and whose client is still there:
-    a cancelled job gives its place back at once."""
+    a cancelled job leaves the queue at once (it is not decoded, and it does not count as someone waiting).
 
-    def __init__(self, model, max_queue: int = 16, metrics=None, batch: int = 1, prefill_chunk: int | None = None):
+    If the decoding thread itself fails (not a job's own decode: that fails the job alone), every job waiting or
+    decoding gets the error, `failure` says why, `submit` refuses new work (ShuttingDown, a 503), and `on_failure`
+    (the server's: exit with status 1, for a supervisor to restart it) is called."""
+
+    def __init__(self, model, max_queue: int = 16, metrics=None, batch: int = 1, prefill_chunk: int | None = None,
+                 on_failure=None):
         if batch > 1 and getattr(model, "attn", None) != EXACT:
             raise LosslessError(f"--batch {batch} needs exact kernels (a request's tokens must not depend on its "
                                 f"neighbours): serve with --attn exact, or --batch 1")
@@ -93,29 +98,37 @@ class Engine:
             from ..decoding.batch import BatchDecoder
 
             BatchDecoder.check_prefill_chunk(self.prefill_chunk)
-        self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._waiting: set[Job] = set()
+        self._wake = threading.Condition(self._lock)  # a job arrived, or the engine is stopping
+        self._waiting: deque[Job] = deque()  # jobs whose clients are still there, in arrival order
         self._closing = False
+        self.failure: Exception | None = None
+        self.on_failure = on_failure
         self.running: set[Job] = set()  # decoding now
-        self._thread = threading.Thread(target=self._run if batch == 1 else self._run_batched,
-                                        name="lossless-decode", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="lossless-decode", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
         with self._lock:
+            if self.failure is not None:
+                raise ShuttingDown(f"the decoding engine failed ({type(self.failure).__name__}): the server is "
+                                   f"restarting")
             if self._closing:
                 raise ShuttingDown("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"all {self.max_queue} places in the queue are taken")
             job.on_cancel = self._forget
-            self._waiting.add(job)
+            self._waiting.append(job)
             self._gauge()
-        self._queue.put(job)
+            self._wake.notify()
 
     def _forget(self, job: Job) -> None:
+        """A waiting job's client left: the job leaves the queue now."""
         with self._lock:
-            self._waiting.discard(job)
+            try:
+                self._waiting.remove(job)
+            except ValueError:  # decoding already (it stops between two cycles) or done
+                pass
             self._gauge()
 
     def depth(self) -> int:
@@ -125,15 +138,29 @@ class Engine:
     def _depth(self) -> int:
         return len(self._waiting) + len(self.running)
 
+    def _someone_waits(self) -> bool:
+        with self._lock:
+            return bool(self._waiting)
+
     def stop(self) -> None:
-        """Take no more work; cancel what runs and what waits (each gets ShuttingDown). Returns at once."""
+        """Take no more work; cancel what runs and what waits (each gets ShuttingDown). Returns at once; it takes the
+        engine's lock, so a signal handler must not call it on a thread that may hold that lock (`stop_soon`)."""
         with self._lock:
             self._closing = True
             doomed = [*self._waiting, *self.running]
+            self._waiting.clear()
+            self._gauge()
+            self._wake.notify_all()
         for job in doomed:
             job.cancel()
             job.emit("error", ShuttingDown("the server is shutting down"))
-        self._queue.put(None)
+
+    def stop_soon(self) -> threading.Thread:
+        """`stop()` on a thread of its own: safe from a signal handler that interrupted this engine's own lock
+        holder (the event loop's thread, in `submit` or a request's clean-up), which `stop()` there would deadlock."""
+        thread = threading.Thread(target=self.stop, name="lossless-stop", daemon=True)
+        thread.start()
+        return thread
 
     def close(self, timeout: float = 2.0) -> None:
         """stop(), then wait for the decoding thread (it ends within a cycle)."""
@@ -146,20 +173,16 @@ class Engine:
 
     def _take(self, block: bool) -> Job | None | bool:
         """The next job to decode (marked running), None at shutdown, False when none is waiting (`block` False)."""
-        while True:
-            try:
-                job = self._queue.get(block=block)
-            except queue.Empty:
-                return False
-            if job is None:
+        with self._lock:
+            while not self._closing and not self._waiting:
+                if not block:
+                    return False
+                self._wake.wait()
+            if self._closing:
                 return None
-            with self._lock:
-                self._waiting.discard(job)
-                if self._closing or job.cancelled.is_set():
-                    self._gauge()
-                    continue
-                self.running.add(job)
-                self._gauge()
+            job = self._waiting.popleft()
+            self.running.add(job)
+            self._gauge()
             return job
 
     def _done(self, job: Job, result) -> None:
@@ -171,6 +194,24 @@ class Engine:
             job.emit("error", result)
         elif not (self._closing and job.cancelled.is_set()):  # stop() has told it already
             job.emit("done", result)
+
+    def _serve(self) -> None:
+        """The decoding thread: its loop, and if the loop itself fails, every job told so."""
+        try:
+            self._run() if self.batch == 1 else self._run_batched()
+        except BaseException as exc:  # noqa: BLE001 - the thread's end: nothing else would notice
+            log.exception("the decoding engine failed", exc_info=exc)
+            with self._lock:
+                self.failure = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+                self._closing = True
+                doomed = [*self._waiting, *self.running]
+                self._waiting.clear()
+                self.running.clear()
+                self._gauge()
+            for job in doomed:
+                job.emit("error", self.failure)
+            if self.on_failure is not None:
+                self.on_failure(self.failure)
 
     def _run(self) -> None:
         while (job := self._take(block=True)) is not None:
@@ -198,7 +239,7 @@ class Engine:
                 if job is False:
                     break
                 entry = _Live(job, self.model.tokenizer)
-                if not live and self._queue.empty() and job.settings.get("temperature", 0.0) == 0:
+                if not live and not self._someone_waits() and job.settings.get("temperature", 0.0) == 0:
                     # alone: a greedy job decodes in its own fastest cycle until another job arrives, then goes on
                     # in the batch after the tokens it has (the same tokens either way, on exact kernels)
                     try:
@@ -249,7 +290,7 @@ class Engine:
         job = entry.job
         return self.model.generate(job.prompt_ids, on_tokens=entry.on_tokens, **job.settings,
                                    stop=lambda: entry.cutter.stopped or job.cancelled.is_set()
-                                   or (handing_over and not self._queue.empty()))
+                                   or (handing_over and self._someone_waits()))
 
     def _abandon(self, live: dict) -> None:
         """Shutdown: `stop` has cancelled and told every running job already."""
