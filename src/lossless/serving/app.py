@@ -27,7 +27,7 @@ from ..decoding.sampling import SamplingConfig
 from ..errors import LosslessError
 from ..text import encode_messages, encode_prompt
 from .engine import Engine, Job, QueueFull, Result, ShuttingDown
-from .protocol import ApiError, ChatRequest, CompletionRequest, LosslessOptions, parse
+from .protocol import ApiError, ChatRequest, CompletionRequest, LosslessOptions, loggable, parse
 
 log = logging.getLogger("lossless.serve")
 ROUTES = ("/health", "/v1/models", "/v1/chat/completions", "/v1/completions", "/metrics")
@@ -100,13 +100,21 @@ class Gate:
             path = scope["path"]
             self.metrics.requests.labels(path if path in ROUTES else "other", str(status[0])).inc()
             client = scope.get("client") or ("-", 0)
-            log.info('%s "%s %s" %d %.0f ms', client[0], scope["method"], path, status[0],
-                     1000 * (time.perf_counter() - start))
+            log.info('%s "%s %s" %d %.0f ms', client[0], loggable(scope["method"], 16), loggable(path, 200),
+                     status[0], 1000 * (time.perf_counter() - start))
 
     def _authorized(self, scope) -> bool:
         given = dict(scope["headers"]).get(b"authorization", b"")
         expected = b"Bearer " + self.api_key.encode()
         return hmac.compare_digest(given, expected)
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters of text one token of `tokenizer` stands for (at least 1): its longest vocabulary entry's
+    length, which for byte-level vocabularies counts bytes, never fewer than the characters they spell."""
+    if tokenizer is None:
+        return 1
+    return max(1, max((len(t) for t in tokenizer.get_vocab()), default=1))
 
 
 def create_app(model, defaults: Defaults | None = None, *, model_name: str | None = None, api_key: str | None = None,
@@ -174,17 +182,32 @@ def create_app(model, defaults: Defaults | None = None, *, model_name: str | Non
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    # the most characters a prompt can have and still fit the context: no token covers more characters than its
+    # vocabulary entry has (byte-level entries: one per byte, and a character is a byte or more)
+    prompt_chars = model.max_positions * max_token_chars(model.tokenizer)
+
+    def check_chars(texts: list[str], param: str) -> None:
+        """Refuse, before the template and the tokenizer run, a prompt too long for the context by its length alone."""
+        if sum(len(t) for t in texts) > prompt_chars:
+            raise ApiError(400, f"the prompt has {sum(len(t) for t in texts)} characters, more than the model's "
+                                f"context of {model.max_positions} tokens can hold: shorten it", param=param,
+                           code="context_length_exceeded")
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
+        arrived = time.perf_counter()  # time to first token counts from here: reading, templating, tokenizing too
         req = parse(ChatRequest, await read_body(request, max_body))
-        try:
-            ids = encode_messages(model.tokenizer, req.conversation())
+        conversation = req.conversation()
+        check_chars([m["content"] for m in conversation], "messages")
+        try:  # off the event loop: a long prompt's tokenization must not stall the other streams
+            ids = await asyncio.to_thread(encode_messages, model.tokenizer, conversation)
         except LosslessError as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        return await answer(request, req, ids, chat=True)
+        return await answer(request, req, ids, chat=True, arrived=arrived)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        arrived = time.perf_counter()
         req = parse(CompletionRequest, await read_body(request, max_body))
         if isinstance(req.prompt, list):
             vocab = int(model.config.vocab_size)
@@ -193,17 +216,19 @@ def create_app(model, defaults: Defaults | None = None, *, model_name: str | Non
                                param="prompt")
             ids = list(req.prompt)
         else:
+            check_chars([req.prompt], "prompt")
             try:
-                ids = encode_prompt(model.tokenizer, req.prompt, chat_template=False)
+                ids = await asyncio.to_thread(encode_prompt, model.tokenizer, req.prompt, chat_template=False)
             except LosslessError as exc:
                 raise ApiError(400, str(exc), param="prompt") from None
-        return await answer(request, req, ids, chat=False)
+        return await answer(request, req, ids, chat=False, arrived=arrived)
 
-    async def answer(request: Request, req, ids: list[int], chat: bool):
+    async def answer(request: Request, req, ids: list[int], chat: bool, arrived: float):
         if req.model is not None:
             check_model(req.model)
         settings = generate_settings(req, ids, model, defaults)
-        job = Job(prompt_ids=ids, settings=settings, stops=req.stops(), loop=asyncio.get_running_loop())
+        job = Job(prompt_ids=ids, settings=settings, stops=req.stops(), loop=asyncio.get_running_loop(),
+                  arrived=arrived)
         try:
             engine.submit(job)
         except QueueFull as exc:

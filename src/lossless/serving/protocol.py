@@ -104,7 +104,8 @@ class _Request(BaseModel):
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOPS:
-            raise ApiError(400, f"'stop' takes at most {MAX_STOPS} strings, got {len(stops)}", param="stop")
+            raise ApiError(400, f"'stop' takes at most {MAX_STOPS} strings, got {len(stops)}", param="stop",
+                           code="invalid_value")
         return [s for s in stops if s]
 
     def new_tokens(self) -> int | None:
@@ -120,8 +121,15 @@ class _Request(BaseModel):
                 out.append((name, "no penalties: they change what greedy decoding means"))
         if self.logit_bias:
             out.append(("logit_bias", "no logit bias"))
-        if self.logprobs:
+        if self.logprobs is not None and self.logprobs is not False:  # completions' 0 asks for the chosen token's
             out.append(("logprobs", "no log-probabilities"))
+        return out
+
+    def invalid(self) -> list[tuple[str, str]]:
+        """(field, message) for fields whose values contradict each other, as OpenAI refuses them."""
+        out = []
+        if self.stream_options is not None and not self.stream:
+            out.append(("stream_options", "'stream_options' is only allowed when 'stream' is true"))
         return out
 
 
@@ -197,7 +205,23 @@ def parse(kind: type[_Request], body: bytes) -> _Request:
                        code="invalid_value") from None
     for field, why in request.unsupported():
         raise ApiError(400, f"'{field}' is not supported by this server ({why})", param=field, code="unsupported")
-    if request.model_extra:
-        logging.getLogger("lossless.serve").info("ignored unknown request fields: %s",
-                                                 ", ".join(sorted(request.model_extra)))
+    for field, message in request.invalid():
+        raise ApiError(400, message, param=field, code="invalid_value")
+    if request.model_extra:  # one bounded, escaped line: the names are the client's text
+        names = sorted(request.model_extra)
+        shown = ", ".join(loggable(n, 40) for n in names[:LOGGED_FIELDS])
+        more = f" and {len(names) - LOGGED_FIELDS} more" if len(names) > LOGGED_FIELDS else ""
+        logging.getLogger("lossless.serve").info("ignored %d unknown request field%s: %s%s", len(names),
+                                                 "s" if len(names) > 1 else "", shown, more)
     return request
+
+
+LOGGED_FIELDS = 5  # unknown field names a log line shows
+
+
+def loggable(text: str, limit: int) -> str:
+    """`text` for a log line: control characters, quotes and backslashes escaped (no forged lines), at most `limit`
+    characters of it (then "...")."""
+    cut = text[:limit]
+    escaped = cut.encode("unicode_escape").decode("ascii").replace('"', '\\"')
+    return escaped + ("..." if len(text) > limit else "")
