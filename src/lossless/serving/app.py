@@ -109,6 +109,29 @@ class Gate:
         return hmac.compare_digest(given, expected)
 
 
+def json_body(kind) -> dict:
+    """The OpenAPI request body of a route that reads its JSON itself (`parse`: size caps, OpenAI's error shape): the
+    request model's schema, for `app.openapi()` and the tools that read it (the schema fuzzer of the tests)."""
+    schema = kind.model_json_schema(ref_template="#/components/schemas/{model}")
+    schema.pop("$defs", None)  # the models it refers to: in the document's components (`with_body_models`)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def with_body_models(app: FastAPI, kinds) -> None:
+    """`app.openapi()` with the request models' nested models in its components (where `json_body`'s refer)."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            models = schema.setdefault("components", {}).setdefault("schemas", {})
+            for kind in kinds:
+                models.update(kind.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {}))
+            app.openapi_schema = schema
+        return app.openapi_schema
+    app.openapi = openapi
+
+
 def max_token_chars(tokenizer) -> int:
     """The most characters of text one token of `tokenizer` stands for (at least 1): its longest vocabulary entry's
     length, which for byte-level vocabularies counts bytes, never fewer than the characters they spell."""
@@ -193,7 +216,7 @@ def create_app(model, defaults: Defaults | None = None, *, model_name: str | Non
                                 f"context of {model.max_positions} tokens can hold: shorten it", param=param,
                            code="context_length_exceeded")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatRequest))
     async def chat(request: Request):
         arrived = time.perf_counter()  # time to first token counts from here: reading, templating, tokenizing too
         req = parse(ChatRequest, await read_body(request, max_body))
@@ -205,7 +228,7 @@ def create_app(model, defaults: Defaults | None = None, *, model_name: str | Non
             raise ApiError(400, str(exc), param="messages") from None
         return await answer(request, req, ids, chat=True, arrived=arrived)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
     async def completions(request: Request):
         arrived = time.perf_counter()
         req = parse(CompletionRequest, await read_body(request, max_body))
@@ -246,6 +269,7 @@ def create_app(model, defaults: Defaults | None = None, *, model_name: str | Non
         return shape.whole(result)
 
     app.add_middleware(Gate, api_key=api_key, metrics=metrics)
+    with_body_models(app, (ChatRequest, CompletionRequest))
     return app
 
 
