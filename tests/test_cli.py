@@ -223,7 +223,8 @@ def test_generate_json_prints_a_parseable_last_line_that_matches_the_library(dir
     # the defaults: the fastest lossless configuration, and the output says what ran
     native_bf16 = cpu_multiplies_natively(torch.bfloat16)
     assert out["orthrus"]["config"] == {"dtype": "bf16" if native_bf16 else "fp32", "attn": "exact", "exact": True,
-                                        "mode": "orthrus", "cycle": "two-pass", "k": 8, "tree": 0, "lookup": 16}
+                                        "mode": "orthrus", "cycle": "two-pass", "k": 8, "tree": 0, "lookup": 16,
+                                        "choice": None}  # an untrained head: its chain, chosen by no costs
     assert out["ar"]["config"]["mode"] == "ar" and out["ar"]["config"]["lookup"] == 0
 
     model = lossless.load_model(dirs["model"])
