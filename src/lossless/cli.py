@@ -607,7 +607,8 @@ def cmd_serve(args) -> int:
         signal.signal(sig, lambda signum, _frame: stopped.append(signum))
     try:
         Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                              timeout_graceful_shutdown=5)).run()
+                              timeout_graceful_shutdown=5, limit_concurrency=args.max_connections,
+                              timeout_keep_alive=5)).run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -685,7 +686,10 @@ def _serve_parser(sub) -> None:
     sv.add_argument("--max-tokens", type=_number(int, "--max-tokens", at_least=1), default=2048,
                     help="the most tokens a request may generate (also its default, where the context has room)")
     sv.add_argument("--max-body", type=_number(int, "--max-body", at_least=1024), default=1 << 20,
-                    help="the largest request body in bytes (413 past it)")
+                    help="the largest request body in bytes (413 past it); a body must arrive within 30 s (408)")
+    sv.add_argument("--max-connections", type=_number(int, "--max-connections", at_least=1), default=256,
+                    help="open connections at once; past that the server answers 503 at once (uvicorn's "
+                         "limit_concurrency; idle keep-alive connections close after 5 s)")
     sv.add_argument("--batch", type=_number(int, "--batch", at_least=1), default=None,
                     help=f"decode up to this many requests together, one forward per step (exact kernels; each "
                          f"request's tokens are the ones it gets alone; AR steps, with prompt lookup when greedy; a "

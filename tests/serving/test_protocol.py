@@ -115,3 +115,27 @@ def test_time_to_first_token_counts_from_the_requests_arrival(served, monkeypatc
     before = registry.get_sample_value("lossless_time_to_first_token_seconds_sum") or 0.0
     assert _post(app, "/v1/completions", {"prompt": "w3 w4", "max_tokens": 2})[0] == 200
     assert registry.get_sample_value("lossless_time_to_first_token_seconds_sum") - before >= 0.3
+
+
+def test_a_body_that_does_not_arrive_in_time_is_a_408_and_a_whole_one_is_read():
+    from starlette.requests import Request
+
+    from lossless.serving.app import read_body
+    from lossless.serving.protocol import ApiError
+
+    def request(parts):
+        async def receive():
+            if parts:
+                return parts.pop(0)
+            await asyncio.Event().wait()  # a client that stopped sending
+        return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive)
+
+    async def read(parts, seconds):
+        return await read_body(request(parts), 1 << 20, seconds)
+    slow = [{"type": "http.request", "body": b'{"prompt": ', "more_body": True}]
+    with pytest.raises(ApiError) as late:
+        asyncio.run(read(slow, 0.2))
+    assert late.value.status == 408 and late.value.code == "request_timeout"
+    whole = [{"type": "http.request", "body": b'{"prompt": ', "more_body": True},
+             {"type": "http.request", "body": b'"w1"}', "more_body": False}]
+    assert asyncio.run(read(whole, 0.2)) == b'{"prompt": "w1"}'

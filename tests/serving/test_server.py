@@ -430,3 +430,16 @@ def test_an_address_it_cannot_listen_on_is_a_one_line_error_before_the_model_loa
             err = capsys.readouterr().err
             assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
             assert "--port" in err or "--host" in err
+
+
+def test_connections_past_the_limit_get_a_503_and_the_server_serves_on(model_dir):
+    with live_server(model_dir, "--max-connections", "3", "--batch", "1") as s:
+        held = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(3)]
+        for sock in held:  # a request's head without its body: each holds its connection
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{")
+        _until(lambda: s.get("/health")[0] == 503)  # a fourth connection is refused at once
+        for sock in held:
+            sock.close()
+        _until(lambda: s.get("/health")[0] == 200)
+        assert s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2})[0] == 200

@@ -273,20 +273,30 @@ def create_app(model, defaults: Defaults | None = None, *, model_name: str | Non
     return app
 
 
-async def read_body(request: Request, cap: int) -> bytes:
-    """The request body, refused (413) past `cap` bytes without reading the rest."""
+BODY_SECONDS = 30.0  # the longest a client may take to send its body (a slow sender holds a connection)
+
+
+async def read_body(request: Request, cap: int, seconds: float = BODY_SECONDS) -> bytes:
+    """The request body, refused (413) past `cap` bytes without reading the rest, and (408) when it has not all
+    arrived within `seconds`."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > cap:
         raise ApiError(413, f"the request body is {declared} bytes; this server takes at most {cap}")
     chunks, size = [], 0
-    try:
+
+    async def read() -> None:
+        nonlocal size
         async for chunk in request.stream():
             size += len(chunk)
             if size > cap:
                 raise ApiError(413, f"the request body is over {cap} bytes, the most this server takes")
             chunks.append(chunk)
+    try:
+        await asyncio.wait_for(read(), seconds)
     except ClientDisconnect:  # gone before the body arrived: nobody reads the answer
         raise ApiError(499, "the client closed the connection before sending the whole request") from None
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {seconds:g} s", code="request_timeout") from None
     return b"".join(chunks)
 
 
