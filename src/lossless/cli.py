@@ -581,7 +581,8 @@ def cmd_serve(args) -> int:
         logging.getLogger("lossless.serve").info("greedy two-pass requests with no tree, lookup or k of their own: %s",
                                                  model.default_choice().why)
     app = create_app(model, defaults, model_name=args.served_model_name, api_key=key, max_queue=args.max_queue,
-                     max_body=args.max_body, batch=batch, prefill_chunk=args.prefill_chunk)
+                     max_body=args.max_body, batch=batch, prefill_chunk=args.prefill_chunk,
+                     max_per_client=args.max_per_client)
     logging.getLogger("lossless.serve").info(
         "serving %s (%s %s, head %s, %s) on http://%s:%d/v1%s", args.served_model_name or model.name,
         model.dtype_name, model.attn, model.head_digest[:12],
@@ -687,6 +688,9 @@ def _serve_parser(sub) -> None:
                     help="the most tokens a request may generate (also its default, where the context has room)")
     sv.add_argument("--max-body", type=_number(int, "--max-body", at_least=1024), default=1 << 20,
                     help="the largest request body in bytes (413 past it); a body must arrive within 30 s (408)")
+    sv.add_argument("--max-per-client", type=_number(int, "--max-per-client", at_least=1), default=None,
+                    help="requests one client (an API key, else an address) may have waiting or decoding; past that "
+                         "it gets 429 (default: no limit beyond --max-queue)")
     sv.add_argument("--max-connections", type=_number(int, "--max-connections", at_least=1), default=256,
                     help="open connections at once; past that the server answers 503 at once (uvicorn's "
                          "limit_concurrency; idle keep-alive connections close after 5 s)")

@@ -131,3 +131,31 @@ def test_health_says_503_once_the_engine_has_failed(model):
         assert status == 503 and body["status"] == "engine failed" and body["error"] == "RuntimeError"
     finally:
         engine.close()
+
+
+def test_one_client_cannot_take_every_place(model):
+    from lossless.serving.engine import ClientBusy, QueueFull
+
+    engine = Engine(model, batch=1, max_queue=8, max_per_client=2)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        long = dict(GREEDY, mode="ar", max_new_tokens=150)
+        mine = [Job([7], long, [], loop, client="key:a") for _ in range(2)]
+        for job in mine:
+            engine.submit(job)
+        with pytest.raises(ClientBusy, match="already has 2 requests"):
+            engine.submit(Job([7], long, [], loop, client="key:a"))
+        other = Job([1, 2, 3], GREEDY, [], loop, client="address:10.0.0.2")
+        engine.submit(other)  # another client still gets a place
+        mine[1].cancel()  # a place of its own given back: the client may queue again
+        again = Job([4, 5, 6], GREEDY, [], loop, client="key:a")
+        engine.submit(again)
+        outcomes = [await _outcome(j) for j in (mine[0], other, again)]
+        return outcomes
+    try:
+        outcomes = asyncio.run(run())
+    finally:
+        engine.close()
+    assert [kind for kind, _ in outcomes] == ["done", "done", "done"]
+    assert issubclass(ClientBusy, QueueFull)  # a 429 like a full queue, with its own code

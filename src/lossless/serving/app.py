@@ -9,6 +9,7 @@ body size cap, the access log and the Prometheus metrics. Decoding itself happen
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -26,7 +27,7 @@ from starlette.requests import ClientDisconnect
 from ..decoding.sampling import SamplingConfig
 from ..errors import LosslessError
 from ..text import encode_messages, encode_prompt
-from .engine import Engine, Job, QueueFull, Result, ShuttingDown
+from .engine import ClientBusy, Engine, Job, QueueFull, Result, ShuttingDown
 from .protocol import ApiError, ChatRequest, CompletionRequest, LosslessOptions, loggable, parse
 
 log = logging.getLogger("lossless.serve")
@@ -109,6 +110,14 @@ class Gate:
         return hmac.compare_digest(given, expected)
 
 
+def client_of(request: Request) -> str:
+    """Who sent a request, for the per-client limit: its API key (a digest of it), else its address."""
+    auth = request.headers.get("authorization", "")
+    if auth.startswith("Bearer ") and len(auth) > 7:
+        return "key:" + hashlib.sha256(auth[7:].encode()).hexdigest()[:16]
+    return "address:" + (request.client.host if request.client else "-")
+
+
 def json_body(kind) -> dict:
     """The OpenAPI request body of a route that reads its JSON itself (`parse`: size caps, OpenAI's error shape): the
     request model's schema, for `app.openapi()` and the tools that read it (the schema fuzzer of the tests)."""
@@ -142,14 +151,15 @@ def max_token_chars(tokenizer) -> int:
 
 def create_app(model, defaults: Defaults | None = None, *, model_name: str | None = None, api_key: str | None = None,
                max_queue: int = 16, max_body: int = 1 << 20, batch: int = 1,
-               prefill_chunk: int | None = None) -> FastAPI:
+               prefill_chunk: int | None = None, max_per_client: int | None = None) -> FastAPI:
     """The server's ASGI app for `model` (an OrthrusLM). `lossless serve` runs it with uvicorn. `batch` > 1:
     up to that many requests decode together (exact kernels; see `engine.py`), a joining prompt running at most
     `prefill_chunk` rows a step."""
     defaults = defaults or Defaults()
     name = model_name or model.name
     metrics = Metrics()
-    engine = Engine(model, max_queue=max_queue, metrics=metrics, batch=batch, prefill_chunk=prefill_chunk)
+    engine = Engine(model, max_queue=max_queue, metrics=metrics, batch=batch, prefill_chunk=prefill_chunk,
+                    max_per_client=max_per_client)
     created = int(time.time())
 
     @asynccontextmanager
@@ -251,9 +261,11 @@ def create_app(model, defaults: Defaults | None = None, *, model_name: str | Non
             check_model(req.model)
         settings = generate_settings(req, ids, model, defaults)
         job = Job(prompt_ids=ids, settings=settings, stops=req.stops(), loop=asyncio.get_running_loop(),
-                  arrived=arrived)
+                  arrived=arrived, client=client_of(request))
         try:
             engine.submit(job)
+        except ClientBusy as exc:
+            raise ApiError(429, f"{exc}: wait for one to finish", code="client_limit") from None
         except QueueFull as exc:
             raise ApiError(429, f"the server is busy ({exc}): retry later", code="queue_full") from None
         except ShuttingDown as exc:

@@ -37,6 +37,10 @@ class QueueFull(Exception):
     """Every place in the queue is taken."""
 
 
+class ClientBusy(QueueFull):
+    """This client already has as many requests waiting or decoding as one client may."""
+
+
 class ShuttingDown(Exception):
     """The server is stopping: no new work, and work in progress is cancelled."""
 
@@ -61,6 +65,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("text", str) | ("done", Result) | ("error", exc)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
+    client: str = ""  # who sent it (an API key's digest, else an address): for the per-client limit
     first_token_at: float | None = None
     on_cancel: object = None  # set by the engine: frees the job's place in the queue
 
@@ -87,11 +92,12 @@ class Engine:
     (the server's: exit with status 1, for a supervisor to restart it) is called."""
 
     def __init__(self, model, max_queue: int = 16, metrics=None, batch: int = 1, prefill_chunk: int | None = None,
-                 on_failure=None):
+                 on_failure=None, max_per_client: int | None = None):
         if batch > 1 and getattr(model, "attn", None) != EXACT:
             raise LosslessError(f"--batch {batch} needs exact kernels (a request's tokens must not depend on its "
                                 f"neighbours): serve with --attn exact, or --batch 1")
         self.model, self.metrics, self.max_queue, self.batch = model, metrics, max_queue, batch
+        self.max_per_client = max_per_client  # requests one client may have waiting or decoding (None: no limit)
         # the most prompt rows a batched step runs
         self.prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
         if batch > 1:  # a bad value refused here, not by the decoding thread's first BatchDecoder (which would die)
@@ -115,6 +121,10 @@ class Engine:
                                    f"restarting")
             if self._closing:
                 raise ShuttingDown("the server is shutting down")
+            if self.max_per_client is not None and job.client and sum(
+                    other.client == job.client for other in (*self._waiting, *self.running)) >= self.max_per_client:
+                raise ClientBusy(f"this client already has {self.max_per_client} request"
+                                 f"{'s' if self.max_per_client > 1 else ''} waiting or decoding")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"all {self.max_queue} places in the queue are taken")
             job.on_cancel = self._forget
