@@ -65,8 +65,9 @@ class StopCutter:
         """Text that can be sent now, after `delta` arrived; sets `stopped` once a stop string appeared."""
         if self.stopped:
             return ""
+        start = max(0, len(self.text) - self.hold)  # a stop string found now ends inside `delta`
         self.text += delta
-        if any(s in self.text for s in self.stops):
+        if any(s in self.text[start:] for s in self.stops):
             self.text, self.stopped = cut_at_stops(self.text, self.stops), True
             return self.flush()
         return self._release(len(self.text) - self.hold)
@@ -83,17 +84,25 @@ class StopCutter:
 
 
 class StreamDecoder:
-    """Turns committed id chunks into text increments, holding back incomplete UTF-8 sequences."""
+    """Turns committed id chunks into text increments, holding back incomplete UTF-8 sequences, in time linear
+    in the ids (prefix and read offsets): each push decodes only the ids from `prefix` on, where `prefix` is where
+    the previous increment's window began. Decoding from a few ids back, not from the unread ids alone, gives
+    tokenizers whose decode depends on neighbours (a SentencePiece word's leading space dropped at the start of
+    a text, spaces cleaned up before punctuation) the same context on both sides of the difference taken, so the
+    increments add up to the decode of all the ids, as re-decoding everything on every push did."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer, self.skip = tokenizer, skip_special_tokens
         self.ids: list[int] = []
-        self.emitted = ""
+        self.prefix = self.read = 0  # the window's start; the ids before `read` have been sent as text
 
     def push(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
-        if text.endswith("\ufffd"):
+        if len(self.ids) == self.read:
             return ""
-        delta, self.emitted = text[len(self.emitted):], text
-        return delta
+        sent = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=self.skip)
+        text = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=self.skip)
+        if len(text) <= len(sent) or text.endswith("\ufffd"):  # nothing new yet, or a character still incomplete
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(sent):]
