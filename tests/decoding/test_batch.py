@@ -187,6 +187,40 @@ def test_a_greedy_decode_begun_alone_goes_on_in_a_batch_with_the_same_tokens(cut
         dec.add(prompt, DecodeConfig(sampling=SamplingConfig(temperature=0.5)), generated=[1])
 
 
+@pytest.mark.parametrize("neighbour", [False, True])
+@pytest.mark.parametrize("cut", [1, 7])
+def test_a_decode_begun_alone_hands_its_cache_over_and_goes_on_with_the_same_bits(cut, neighbour):
+    """The cache of a decode begun alone moves into the batch (becoming its cache where no sequence has keys in
+    it, appended after a neighbour's otherwise): the prompt and the first tokens are not run again, and the
+    tokens and logits are AR's alone."""
+    model = exact_model("llama", torch.bfloat16)
+    prompt, cfg = [3, 1, 4, 1, 5, 9, 2, 6], DecodeConfig(max_new_tokens=16, eos_ids=NO_EOS, lookup=4)
+    ref = alone(model, prompt, cfg)
+    begun = decode(model, prompt, "orthrus", dataclasses.replace(cfg, stop_after=cut))
+    dec, other = BatchDecoder(model), None
+    if neighbour:  # a sequence with keys in the shared cache already
+        other = dec.add([7, 7, 2], DecodeConfig(max_new_tokens=12, eos_ids=NO_EOS, record_margins=True))
+        dec.step()
+    held = dec.cache.get_seq_length()
+    seq = dec.add(prompt, dataclasses.replace(cfg, record_margins=True), generated=begun.generated,
+                  stats=begun.stats, cache=begun.cache)
+    assert (dec.cache is begun.cache) != neighbour  # moved, not copied, where nobody else had keys
+    assert seq.pending == [begun.tokens[-1]]
+    assert seq.state.cache.at == list(range(held if neighbour else 0,
+                                            (held if neighbour else 0) + len(begun.tokens) - 1))
+    forwards = begun.stats.forwards
+    dec.step()
+    assert seq.state.stats.forwards == forwards + 1  # one row, not the prompt again
+    while seq.finished is None or (other is not None and other.finished is None):
+        dec.step()
+    assert seq.state.generated == ref.generated and seq.finished == "length"
+    assert seq.state.margins == ref.margins[len(begun.generated):]
+    if other is not None:
+        assert_same(other, alone(model, [7, 7, 2], DecodeConfig(max_new_tokens=12, eos_ids=NO_EOS)))
+    with pytest.raises(LosslessError, match="every token but the last"):
+        BatchDecoder(model).add(prompt, cfg, generated=begun.generated, cache=model.new_cache())
+
+
 def test_a_sequence_whose_own_step_fails_ends_alone_and_the_others_finish():
     """A sampled sequence whose distribution cannot be sampled (a temperature past the validation floor, set after
     it, as a request that slipped through would) and one whose token callback raises end with their own error;

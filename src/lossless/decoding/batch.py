@@ -38,7 +38,6 @@ import torch
 
 from ..errors import LosslessError
 from ..names import EXACT, PREFILL_CHUNK
-from .dualview import additive_mask
 from .loop import (LOOKUP_ALONE, DecodeConfig, DecodeState, DecodeStats, accept_greedy, commit, lookup_proposal,
                    validate)
 from .sampling import argmax, sample
@@ -49,19 +48,42 @@ COMPACT_AT = 256
 
 
 class Slots:
-    """One sequence's keys in the shared cache: the positions its rows were written at, in order. It stands in
-    for the sequence's own cache where `loop.commit` crops it (`get_seq_length`, `crop`)."""
+    """One sequence's keys in the shared cache: the positions its rows were written at, in order, kept in a tensor
+    that grows in place, so a step's mask takes each sequence's positions as they are instead of making them
+    again from a list. It stands in for the sequence's own cache where `loop.commit` crops it (`get_seq_length`,
+    `crop`)."""
 
     def __init__(self):
-        self.at: list[int] = []
+        self._pos, self._n = torch.empty(64, dtype=torch.long), 0
+
+    @property
+    def at(self) -> list[int]:
+        return self._pos[:self._n].tolist()
+
+    def index(self) -> torch.Tensor:
+        """The positions, as a view (valid until the next change)."""
+        return self._pos[:self._n]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return len(self.at)
+        return self._n
+
+    def append(self, start: int, m: int) -> None:
+        """The positions start .. start+m-1 follow."""
+        if self._n + m > len(self._pos):
+            grown = torch.empty(max(2 * len(self._pos), self._n + m), dtype=torch.long)
+            grown[:self._n] = self._pos[:self._n]
+            self._pos = grown
+        torch.arange(start, start + m, out=self._pos[self._n:self._n + m])
+        self._n += m
+
+    def renumber(self, start: int) -> None:
+        """The rows moved to start, start+1, ... (in the same order)."""
+        n, self._n = self._n, 0
+        self.append(start, n)
 
     def crop(self, max_length: int) -> None:
         """Keep the first max_length positions (negative: drop that many from the end), as `DynamicCache.crop`."""
-        keep = len(self.at) + max_length if max_length < 0 else max_length
-        del self.at[keep:]
+        self._n = self._n + max_length if max_length < 0 else min(max_length, self._n)
 
 
 @dataclass(eq=False)
@@ -101,11 +123,14 @@ class BatchDecoder:
         self.compactions = 0
 
     def add(self, prompt_ids: list[int], cfg: DecodeConfig, on_tokens=None, generated: list[int] = (),
-            stats: DecodeStats | None = None) -> Sequence:
+            stats: DecodeStats | None = None, cache=None) -> Sequence:
         """A new sequence; it joins the next step (which runs its prompt beside the others' rows). `generated`:
         tokens a greedy decode of this request already committed elsewhere (alone, in another cycle); the sequence
-        goes on after them (its first step runs the prompt and them: the same keys, so the same next tokens), its
-        `stats` counting on from that decode's."""
+        goes on after them, its `stats` counting on from that decode's. Its first step runs the prompt and them
+        (the same keys, so the same next tokens), unless that decode's `cache` is handed over: its keys and values
+        of every token but the last (what an exact-mode decode holds after a commit) are then moved into the
+        shared cache, and the sequence's first step is its next token's. The shared cache itself becomes that
+        cache where no sequence has keys in it (nothing copied); otherwise its rows are appended."""
         if not cfg.eos_ids:
             cfg = dataclasses.replace(cfg, eos_ids=tuple(self.model.eos_token_ids()))
         validate(self.model, prompt_ids, cfg, "ar")
@@ -117,11 +142,28 @@ class BatchDecoder:
         if generated and not cfg.sampling.greedy:
             raise LosslessError("only a greedy decode continues in a batch: a sampled one would draw other samples")
         tokens = [*prompt_ids, *generated]
+        if cache is not None and (not generated or cache.get_seq_length() != len(tokens) - 1):
+            raise LosslessError(f"a handed-over cache holds the keys of every token but the last: "
+                                f"{len(tokens) - 1} positions, got {cache.get_seq_length()}")
         state = DecodeState(tokens=list(tokens), n_prompt=len(prompt_ids), cache=Slots(), stats=stats or DecodeStats())
         seq = Sequence(state=state, cfg=cfg, generator=cfg.sampling.generator(self.model.device), on_tokens=on_tokens,
                        pending=list(tokens), started=time.perf_counter() - state.stats.seconds)
+        if cache is not None:
+            state.cache.append(*self._move_in(cache))
+            seq.pending = [tokens[-1]]
         self.sequences.append(seq)
         return seq
+
+    def _move_in(self, cache) -> tuple[int, int]:
+        """Where a handed-over cache's rows are in the shared cache: (first position, how many)."""
+        n = cache.get_seq_length()
+        if not any(s.state.cache.get_seq_length() for s in self.sequences):  # nobody's keys: it becomes the shared one
+            self.cache = cache
+            return 0, n
+        start = self.cache.get_seq_length()
+        for i, layer in enumerate(cache.layers):
+            self.cache.update(layer.keys, layer.values, i)
+        return start, n
 
     @staticmethod
     def check_prefill_chunk(prefill_chunk) -> None:
@@ -187,18 +229,20 @@ class BatchDecoder:
             rows = [*seq.pending[:fed[seq]], *seq.drafts]
             spans.append((len(ids), len(rows)))
             ids += rows
-            positions += range(len(seq.state.cache.at), len(seq.state.cache.at) + len(rows))
+            held = seq.state.cache.get_seq_length()
+            positions += range(held, held + len(rows))
         r = len(ids)
-        visible = torch.zeros(r, n + r, dtype=torch.bool)
+        # each row sees its own sequence's keys and its sequence's rows before it in this forward: only the live
+        # sequences' positions are written, the rest of the mask (dead rows, other sequences) stays hidden
+        mask = torch.full((r, n + r), torch.finfo(self.model.dtype).min, dtype=self.model.dtype)
         for seq, (start, m) in zip(live, spans):
-            if seq.state.cache.at:
-                visible[start:start + m, torch.tensor(seq.state.cache.at)] = True
-            visible[start:start + m, n + start:n + start + m] = torch.ones(m, m, dtype=torch.bool).tril()
+            if seq.state.cache.get_seq_length():
+                mask[start:start + m].index_fill_(1, seq.state.cache.index(), 0)
+            mask[start:start + m, n + start:n + start + m].triu_(1)  # 0 on and below the diagonal
         device = self.model.device
         out = self.model.backbone.model(input_ids=torch.tensor([ids], device=device),
                                         position_ids=torch.tensor([positions], device=device),
-                                        attention_mask=additive_mask(visible, self.model.dtype).to(device),
-                                        cache=self.cache, use_cache=True)
+                                        attention_mask=mask[None, None].to(device), cache=self.cache, use_cache=True)
         # the LM head on the rows a choice is made from: a prompt's last row, a step's row and its copies' rows
         wanted = {}
         for seq, (start, m) in zip(live, spans):
@@ -206,7 +250,7 @@ class BatchDecoder:
                 wanted[seq] = (start + fed[seq] - 1, start + m)
             else:
                 seq.pending = seq.pending[fed[seq]:]
-            seq.state.cache.at += range(n + start, n + start + m)
+            seq.state.cache.append(n + start, m)
             seq.state.stats.forwards += 1
         if not wanted:
             return {}
@@ -239,7 +283,7 @@ class BatchDecoder:
             state.finished = "stop"
 
     def _maybe_compact(self) -> None:
-        live = sum(len(s.state.cache.at) for s in self.sequences)
+        live = sum(s.state.cache.get_seq_length() for s in self.sequences)
         dead = self.cache.get_seq_length() - live
         if dead >= max(COMPACT_AT, live):
             self.compact()
@@ -248,15 +292,13 @@ class BatchDecoder:
         """Copy the live rows of the shared cache into a new one, each sequence's in order (the same keys and
         values, so the same bits in every later forward)."""
         fresh = self.model.new_cache()
-        order = [p for s in self.sequences for p in s.state.cache.at]
-        if order:
-            index = torch.tensor(order, device=self.model.device)
+        if any(s.state.cache.get_seq_length() for s in self.sequences):
+            index = torch.cat([s.state.cache.index() for s in self.sequences]).to(self.model.device)
             for i, layer in enumerate(self.cache.layers):
                 fresh.update(layer.keys.index_select(2, index), layer.values.index_select(2, index), i)
         at = 0
         for s in self.sequences:
-            m = len(s.state.cache.at)
-            s.state.cache.at = list(range(at, at + m))
-            at += m
+            s.state.cache.renumber(at)
+            at += s.state.cache.get_seq_length()
         self.cache = fresh
         self.compactions += 1

@@ -216,6 +216,7 @@ class GenerationOutput:
     prompt_ids: list[int]
     finish_reason: str | None
     config: dict = field(default_factory=dict)  # what ran: dtype, attn, exact, mode, cycle, k, tree, lookup
+    cache: object = field(default=None, repr=False, compare=False)  # the decode's cache, where it was asked for
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats,

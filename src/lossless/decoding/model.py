@@ -370,7 +370,7 @@ class OrthrusLM(nn.Module):
                  k: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  chat_template: bool = True, cycle: str = "two-pass", groups: int | None = None,
                  tree: int | None = None, lookup: int | None = None, on_text=None,
-                 on_tokens=None, stop=None) -> GenerationOutput:
+                 on_tokens=None, stop=None, keep_cache: bool = False) -> GenerationOutput:
         """Decode `prompt` (text, or token ids used as-is) with `mode` ("ar" | "orthrus"); orthrus runs the
         `cycle` "two-pass" (draft, then verify) or "fused" (one forward per cycle, `groups` draft groups);
         `tree` > 0 (two-pass, greedy) verifies a tree of that many draft candidates instead of one chain;
@@ -380,7 +380,8 @@ class OrthrusLM(nn.Module):
         and why); otherwise None takes the fixed defaults (`loop.auto_cycle`). 0 turns either off.
 
         on_text(str) receives text as tokens are committed; on_tokens(list[int]) the committed ids; stop(), asked
-        after every cycle, ends decoding early when it returns True (finish reason "stop").
+        after every cycle, ends decoding early when it returns True (finish reason "stop"). `keep_cache` returns
+        the decode's cache in `cache` (the keys of every token but the last), for a decode that goes on elsewhere.
         Returns a GenerationOutput(text, token_ids, stats, prompt_ids, finish_reason).
         """
         from .sampling import SamplingConfig
@@ -416,7 +417,8 @@ class OrthrusLM(nn.Module):
                   "tree": tree if speculative else 0, "lookup": lookup if speculative else 0,
                   "choice": choice.to_dict() if choice is not None else None}
         return GenerationOutput(text=text, token_ids=state.generated, stats=state.stats.to_dict(),
-                                prompt_ids=prompt_ids, finish_reason=state.finished, config=config)
+                                prompt_ids=prompt_ids, finish_reason=state.finished, config=config,
+                                cache=state.cache if keep_cache else None)
 
 
 def generate(model: OrthrusLM, prompt: str | list[int], mode: str = "orthrus", **kwargs) -> GenerationOutput:

@@ -13,7 +13,8 @@ ones with prompt lookup (the draft view's passes decode one sequence at a time):
 lossless configuration's on exact kernels; sampled ones are `--mode ar`'s with the same seed. A greedy job that
 finds nothing else decoding or waiting decodes alone in the configuration it asked for (the fastest lossless one by
 default: with one client a batch's AR steps would be slower than speculation) until another job arrives; then it
-goes on in the batch after the tokens it has. Its tokens are the same either way. It does not know HTTP; `app.py`
+goes on in the batch after the tokens it has, its cache moved into the batch's (its prompt and tokens are not run
+again). Its tokens are the same either way. It does not know HTTP; `app.py`
 turns jobs into responses.
 """
 
@@ -298,7 +299,7 @@ class Engine:
         """A job's decode in the configuration it asked for, stopped after a cycle in which its stop string appeared
         or its client left, or (`handing_over`) another job arrived."""
         job = entry.job
-        return self.model.generate(job.prompt_ids, on_tokens=entry.on_tokens, **job.settings,
+        return self.model.generate(job.prompt_ids, on_tokens=entry.on_tokens, **job.settings, keep_cache=handing_over,
                                    stop=lambda: entry.cutter.stopped or job.cancelled.is_set()
                                    or (handing_over and self._someone_waits()))
 
@@ -390,8 +391,9 @@ class _Live:
             return {}
         from ..decoding.loop import DecodeStats
 
-        s = self.alone.stats
-        return {"generated": list(self.alone.token_ids),
+        s, cache = self.alone.stats, self.alone.cache
+        self.alone.cache = None  # moved into the batch's cache (its prompt and tokens are not run again)
+        return {"generated": list(self.alone.token_ids), "cache": cache,
                 "stats": DecodeStats(steps=s["steps"], forwards=s["forwards"], new_tokens=s["new_tokens"],
                                      seconds=s["seconds"], accepted=list(s["accepted"]))}
 
