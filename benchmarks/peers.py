@@ -38,11 +38,14 @@ def source_gguf(spec: str) -> Path:
     return path
 
 
-def requantized(spec: str, dtype: str) -> Path:
-    """The embedded GGUF requantized by llama.cpp to `dtype`, made once and cached (written aside, then renamed, so
-    an interrupted run leaves nothing half-written)."""
-    import llama_cpp
+# the benchmark's dtype -> llama.cpp's `llama-quantize` type name
+QUANTIZE_TYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 
+
+def requantized(spec: str, dtype: str, quantize: str | Path | None = None) -> Path:
+    """The embedded GGUF requantized by llama.cpp to `dtype`, made once and cached (written aside, then renamed, so
+    an interrupted run leaves nothing half-written): through llama-cpp-python, or where `quantize` names a
+    `llama-quantize` binary (a llama.cpp build of its own, as `llama-server`'s), through that."""
     if dtype not in FILE_TYPES:
         raise LosslessError(f"llama_cpp: no GGUF file type for dtype {dtype}; use one of {', '.join(FILE_TYPES)}")
     constant, suffix = FILE_TYPES[dtype]
@@ -52,6 +55,19 @@ def requantized(spec: str, dtype: str) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".partial")
+    if quantize is not None:
+        import subprocess
+
+        done = subprocess.run([str(quantize), "--allow-requantize", str(source), str(partial), QUANTIZE_TYPES[dtype]],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise LosslessError(f"{quantize} could not requantize {source} to {dtype}: "
+                                f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+        partial.replace(target)
+        return target
+    import llama_cpp
+
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, constant)
     params.allow_requantize = True
