@@ -36,6 +36,9 @@ NOT_RUN = {
     "lm_eval ": "the harness's own command; tests/test_harness.py runs it on a tiny model",
     "curl ": "talks to a running `lossless serve`; tests/serving/test_server.py sends these requests to a live server",
     "CMAKE_ARGS=": "builds llama.cpp from source for minutes: an optional peer of the speed benchmark, never installed for tests",
+    "pip download llama-cpp-python": "fetches llama.cpp's sources for llama-server, an optional peer of serve_load.py",
+    "tar xzf llama_cpp_python": "unpacks those sources",
+    "cmake ": "builds llama-server from those sources for minutes: never built for tests",
 }
 
 FENCE = re.compile(r"^(\s*)(```|~~~)(.*)$")
