@@ -132,6 +132,34 @@ def test_finished_rows_are_compacted_away_and_the_rest_decode_on_unchanged(monke
         assert_same(seq, alone(model, prompt, cfg))
 
 
+def test_interleaved_steps_are_compacted_so_each_sequence_keys_lie_together(monkeypatch):
+    """Nobody finishes (no dead rows), yet once the steps of several sequences have interleaved COMPACT_AT rows, the
+    cache is compacted: each sequence's keys lie together again, in order; and every sequence still gets its
+    bits alone."""
+    monkeypatch.setattr(batching, "COMPACT_AT", 12)
+    model = exact_model("llama", torch.bfloat16)
+    requests = [([i + 1, i + 2, i + 3, i + 4] * 5, DecodeConfig(max_new_tokens=20, eos_ids=NO_EOS)) for i in range(3)]
+    dec = BatchDecoder(model)
+    seqs = [dec.add(p, dataclasses.replace(cfg, record_margins=True)) for p, cfg in requests]
+    dec.step()  # the prompts, one block of 20 rows each: not interleaved
+    assert dec.mixed == 0 and dec.compactions == 0
+    laid_out = []
+    for _ in range(6):
+        dec.step()
+        if dec.compactions:
+            laid_out.append([s.state.cache.at for s in seqs])
+            break
+    assert dec.compactions == 1 and dec.mixed == 0
+    at = 0
+    for positions in laid_out[0]:  # together, one sequence after another
+        assert positions == list(range(at, at + len(positions)))
+        at += len(positions)
+    while any(s.finished is None for s in seqs):
+        dec.step()
+    for seq, (prompt, cfg) in zip(seqs, requests):
+        assert_same(seq, alone(model, prompt, cfg))
+
+
 def test_a_sequence_ended_early_leaves_and_the_others_finish():
     model = exact_model("llama", torch.float32)
     dec = BatchDecoder(model)

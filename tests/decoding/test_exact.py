@@ -218,6 +218,53 @@ def test_exact_attention_computes_attention_over_the_visible_keys(dtype):
             assert torch.allclose(got.float(), want.transpose(1, 2), atol=2e-2 if dtype != torch.float32 else 1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@settings(max_examples=25, **SLOW)
+@given(data=st.data())
+def test_rows_of_sequences_sharing_a_cache_get_the_bits_of_their_own_keys_alone(dtype, data):
+    """Rows that each see one sequence's keys of a shared cache (in blocks, interleaved, or both, as a batch lays
+    them out; 1 to 3 rows a sequence, a row also seeing its sequence's rows before it): each row's output is
+    bitwise its attention over its own keys gathered apart, whichever tiles the kernel skips or rows it groups,
+    at 1 and 2 threads; and near a float64 reference."""
+    sizes = data.draw(st.lists(st.integers(1, 70), min_size=1, max_size=5), label="keys per sequence")
+    layout = data.draw(st.sampled_from(["blocks", "interleaved", "blocks then interleaved"]), label="layout")
+    owner = [i for i, m in enumerate(sizes) for _ in range(m)]  # blocks
+    if layout != "blocks":
+        cut = 0 if layout == "interleaved" else len(owner) // 2
+        tail = owner[cut:]
+        owner = owner[:cut] + [tail[j] for j in sorted(range(len(tail)), key=lambda j: (j % 7, tail[j]))]
+    per = data.draw(st.lists(st.integers(1, 3), min_size=len(sizes), max_size=len(sizes)), label="rows each")
+    rows = [i for i, r in enumerate(per) for _ in range(r)]
+    n, q, h, kvh, d = len(owner), len(rows), 4, 2, 16
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    query, key, value = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((q, h, d), (kvh, n + q, d),
+                                                                                     (kvh, n + q, d)))
+    visible = torch.zeros(q, n + q, dtype=torch.bool)
+    for r, seq in enumerate(rows):
+        visible[r, [j for j in range(n) if owner[j] == seq]] = True
+        visible[r, [n + i for i in range(r + 1) if rows[i] == seq]] = True  # its own rows up to itself
+    want64 = []
+    for r in range(q):
+        seen = visible[r].nonzero().flatten()
+        k64, v64 = key[:, seen].double(), value[:, seen].double()
+        w = torch.softmax(torch.einsum("hd,hnd->hn", query[r].double(), k64.repeat_interleave(h // kvh, 0)) * 0.25, -1)
+        want64.append(torch.einsum("hn,hnd->hd", w, v64.repeat_interleave(h // kvh, 0)))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got = kernels.attention(query, key, value, visible, 0.25)
+            for r in range(q):
+                seen = visible[r].nonzero().flatten()
+                alone = kernels.attention(query[r:r + 1], key[:, seen].contiguous(), value[:, seen].contiguous(),
+                                          torch.ones(1, len(seen), dtype=torch.bool), 0.25)
+                assert torch.equal(got[r], alone[0]), (threads, r)
+                assert torch.allclose(got[r].double(), want64[r].to(got.dtype).double(),
+                                      atol=3e-2 if dtype != torch.float32 else 1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_exact_attention_refuses_batches():
     q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 10, 8)
     with pytest.raises(LosslessError, match="batch 1"):

@@ -987,6 +987,7 @@ inline int64_t leading_keys(const std::vector<int32_t>& seen) {
 
 struct AttentionScratch {
   std::vector<float> all, scores, acc, qf;
+  std::vector<char> hit;  // the tiles an item's rows see keys in
   float total[16];
   explicit AttentionScratch(int64_t d) : qf(static_cast<size_t>(16 * d)) {}
 };
@@ -1049,6 +1050,20 @@ inline void exp_shifted(float* sp, int64_t j0, int64_t j1, float best) {
   for (; j < j1; ++j) sp[j] = exp_fixed(sp[j] - best);
 }
 
+// Marks in `hit` [tiles] the 16-key tiles holding a key some of the `count` rows sees (from the first `common`
+// keys, which every row sees, on to each row's others); returns how many tiles are marked.
+inline int64_t mark_tiles(const std::vector<int32_t>* const* seen, int64_t count, int64_t common,
+                          std::vector<char>& hit) {
+  const int64_t lead = (common + LANES - 1) / LANES;
+  std::fill(hit.begin(), hit.end(), 0);
+  std::fill(hit.begin(), hit.begin() + std::min<int64_t>(lead, static_cast<int64_t>(hit.size())), 1);
+  for (int64_t r = 0; r < count; ++r)
+    for (size_t j = static_cast<size_t>(common); j < seen[r]->size(); ++j) hit[(*seen[r])[j] / LANES] = 1;
+  int64_t marked = 0;
+  for (char c : hit) marked += c;
+  return marked;
+}
+
 template <int R, int G, typename T>
 inline void attend_rows(const float* qf, int64_t d, int64_t dp, const float* kt, const T* kk, int64_t n, const T* vk,
                         const std::vector<int32_t>* const* seen, float scale, AttentionScratch& s, const uint32_t* kc) {
@@ -1062,7 +1077,23 @@ inline void attend_rows(const float* qf, int64_t d, int64_t dp, const float* kt,
   const int64_t used = last / LANES + 1, stride = used * LANES;
   std::vector<float>& all = s.all;
   all.resize(static_cast<size_t>(Q * stride));
-  score_range<Q>(qf, d, kt, kk, n, kc, 0, used, all.data(), stride);
+  // only the tiles holding a key some row sees are scored (each score is its own chain, and the others' are never
+  // read): a row of one sequence in a batch reads its own keys, not the whole shared cache
+  s.hit.resize(static_cast<size_t>(used));
+  if (mark_tiles(seen, R, common, s.hit) == used) {
+    score_range<Q>(qf, d, kt, kk, n, kc, 0, used, all.data(), stride);
+  } else {
+    for (int64_t t0 = 0; t0 < used;) {
+      if (!s.hit[t0]) {
+        ++t0;
+        continue;
+      }
+      int64_t t1 = t0;
+      while (t1 < used && s.hit[t1]) ++t1;
+      score_range<Q>(qf, d, kt, kk, n, kc, t0, t1, all.data(), stride);
+      t0 = t1;
+    }
+  }
   s.scores.resize(static_cast<size_t>(Q * widest));
   for (int g = 0; g < Q; ++g) {
     const std::vector<int32_t>& sr = *seen[g / G];
@@ -1260,8 +1291,25 @@ struct Attention {
     const int64_t row0 = block * rows_per, count = std::min(rows_per, rows - row0);
     bool empty = false;
     for (int64_t r = row0; r < row0 + count; ++r) empty = empty || (*keys)[r].empty();
-    if (empty || !block_rows(row0, count, kv, h0, g_count, s))
+    if (empty || !together(row0, count, s) || !block_rows(row0, count, kv, h0, g_count, s))
       for (int64_t r = row0; r < row0 + count; ++r) block_rows(r, 1, kv, h0, g_count, s);
+  }
+
+  // whether rows row0 .. row0 + count - 1 share one item: not where each sees keys in tiles mostly its own (rows of
+  // different sequences of a batch, each sequence's keys together), since together they would score the union of
+  // their tiles; each then goes alone
+  bool together(int64_t row0, int64_t count, AttentionScratch& s) const {
+    if (count < 2) return true;
+    const std::vector<int32_t>* seen[3];
+    int64_t last = 0, common = INT64_MAX, most = 0;
+    for (int64_t r = 0; r < count; ++r) {
+      seen[r] = &(*keys)[row0 + r];
+      last = std::max<int64_t>(last, seen[r]->back());
+      common = std::min(common, leading_keys(*seen[r]));
+    }
+    s.hit.resize(static_cast<size_t>(last / LANES + 1));
+    for (int64_t r = 0; r < count; ++r) most = std::max(most, mark_tiles(&seen[r], 1, common, s.hit));
+    return mark_tiles(seen, count, common, s.hit) * 4 <= most * 5 + 4;
   }
 
   // rows row0 .. row0 + count - 1 for heads h0 .. h0 + g_count - 1 of kv head kv; false where no kernel takes that many
