@@ -4,9 +4,10 @@ For each `--batch` size B and `--contexts` length C, a `BatchDecoder` on exact k
 sequences (random token ids of C tokens, no prompt lookup, so that every step runs exactly B rows) past their
 prompts; then steps are timed, the (B, C) settings visited in a shuffled order each round, `--rounds` rounds
 (medians). Per setting: the step's time, as a multiple of one sequence's step at the same context, and the tokens
-per second over all sequences. The sequences share one cache, and exact attention scores every key of it up to
-the last one a row sees (its own sequence's keys and the others'), so the step's cost grows with B x C, not only
-with B: what this shows. Prints a table and, last, one JSON line.
+per second over all sequences. The sequences share one cache; exact attention scores only the 16-key tiles
+holding keys a row sees, and each sequence's prompt lies together in it, so a row reads its own C keys (and the
+few tiles its steps share with the others'), and the step's cost grows with B x C through the keys each row
+reads, not through the whole shared cache: what this shows. Prints a table and, last, one JSON line.
 
     python benchmarks/batch_step.py --batch 1,2,4,8 --contexts 100,500,1000 --rounds 3 --threads 2
 """

@@ -19,6 +19,9 @@ which both servers' SmolLM2 template renders as `lossless` does by default, so b
 tokens (the table's last column compares the servers' prompt token counts); llama-server is asked not to reuse
 a slot's earlier prompt (`cache_prompt: false`): repeats send the same prompts, real clients do not.
 
+`--context-tokens N` puts a long context before each prompt: about N tokens of notes (the held-out prompts' words,
+shuffled by the prompt's index), so that requests carry long prompts, as with documents or long chats.
+
     python benchmarks/serve_load.py --clients 1,2,4,8 --requests 3 --max-tokens 64 --threads 2
     python benchmarks/serve_load.py --configs '--batch 1;--batch 8' --repeats 3 --threads 2
     python benchmarks/serve_load.py --configs '--batch 8;llama-server -np 8' --dtype bf16 --attn exact --repeats 3 \
@@ -148,6 +151,23 @@ def run_level(client, model: str, prompts: list[str], clients: int, requests: in
             "prompt_tokens": {r["prompt"]: r["prompt_tokens"] for r in results}}
 
 
+def with_context(prompts: list[str], model: str, tokens: int) -> list[str]:
+    """Each prompt after about `tokens` tokens of notes: the prompts' words shuffled by the prompt's index."""
+    import random
+
+    from lossless.decoding.models import load_tokenizer
+
+    tokenizer, words = load_tokenizer(model), " ".join(prompts).split()
+    out = []
+    for i, prompt in enumerate(prompts):
+        rng, notes = random.Random(i), []
+        while len(tokenizer(" ".join(notes))["input_ids"]) < tokens:
+            notes += rng.sample(words, len(words))
+        ids = tokenizer(" ".join(notes))["input_ids"][:tokens]
+        out.append(f"Notes: {tokenizer.decode(ids)}\n\n{prompt}")
+    return out
+
+
 def median_row(runs: list[dict]) -> dict:
     """One configuration at one level over the repeats: each number the median of the runs'."""
     out = {"clients": runs[0]["clients"], "requests": runs[0]["requests"], "repeats": len(runs)}
@@ -170,6 +190,8 @@ def main() -> None:
     parser.add_argument("--clients", default="1,2,4,8")
     parser.add_argument("--requests", type=int, default=3, help="requests per client at each level")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--context-tokens", type=int, default=0,
+                        help="about this many tokens of notes before each prompt (default: none)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every level and configuration")
     parser.add_argument("--seed", type=int, default=0, help="of the shuffled configuration order")
     parser.add_argument("--threads", type=int, default=2, help="each server's torch threads (llama-server's threads)")
@@ -188,6 +210,8 @@ def main() -> None:
                if line.strip()]
     levels = [int(c) for c in args.clients.split(",")]
     prompts = prompts[: max(levels) * args.requests]
+    if args.context_tokens:
+        prompts = with_context(prompts, args.model, args.context_tokens)
     extras = [{"cache_prompt": False} if c.startswith(LLAMA_SERVER) else None for c in configs]
     servers, clients, names, cards = [], [], [], []
     try:
@@ -218,8 +242,9 @@ def main() -> None:
     from lossless.decoding import kernels
 
     cpu = f"{kernels.cpu_model()}, {kernels.isa()} kernels"
+    notes = f" after {args.context_tokens} tokens of notes" if args.context_tokens else ""
     print(f"{names[0]} ({config.get('dtype')} {config.get('attn')}); {args.requests} requests per "
-          f"client, {args.max_tokens} tokens each, {args.threads} threads, {args.repeats} repeat(s) (medians), {cpu}")
+          f"client, {args.max_tokens} tokens each{notes}, {args.threads} threads, {args.repeats} repeat(s) (medians), {cpu}")
     print(f"{'configuration':<20} {'clients':>7} {'tokens/s':>9} {'vs first [95% CI]':>22} {'latency med':>11} "
           f"{'p90':>7} {'ttft med':>8} {'p90':>7} {'tok/cycle':>9} {'prompts':>8}")
     table = []
@@ -241,7 +266,8 @@ def main() -> None:
                   f"{row['ttft_p90']:>7.2f} {row['tokens_per_cycle'] if row['tokens_per_cycle'] is not None else '-':>9} "
                   f"{'same' if row['same_prompt_tokens'] else 'DIFFER':>8}")
     print(json.dumps({"benchmark": "serve_load", "model": names[0], "config": config, "configs": configs,
-                      "threads": args.threads, "max_tokens": args.max_tokens, "repeats": args.repeats, "cpu": cpu,
+                      "threads": args.threads, "max_tokens": args.max_tokens, "context_tokens": args.context_tokens,
+                      "repeats": args.repeats, "cpu": cpu,
                       "levels": table}))
 
 
