@@ -434,11 +434,17 @@ def test_an_address_it_cannot_listen_on_is_a_one_line_error_before_the_model_loa
 
 def test_connections_past_the_limit_get_a_503_and_the_server_serves_on(model_dir):
     with live_server(model_dir, "--max-connections", "3", "--batch", "1") as s:
-        held = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(3)]
-        for sock in held:  # a request's head without its body: each holds its connection
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 100\r\n\r\n{")
-        _until(lambda: s.get("/health")[0] == 503)  # a fourth connection is refused at once
+        held = []
+        # a request's head without its body holds its connection; one that arrives while an earlier connection is
+        # still counted (the readiness check's, closing) gets a 503 itself and is closed: hold more until the
+        # limit is reached, so a fourth connection is refused at once
+        while s.get("/health")[0] != 503:
+            assert len(held) < 12, "the connection limit was never reached"
+            held.append(socket.create_connection(("127.0.0.1", s.port)))
+            held[-1].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 100\r\n\r\n{")
+            time.sleep(0.05)
+        assert len(held) >= 2  # the limit, not something else, refused it
         for sock in held:
             sock.close()
         _until(lambda: s.get("/health")[0] == 200)
