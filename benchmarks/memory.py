@@ -6,7 +6,11 @@ finished child), then the same load and decode step by step in a second process 
 (`VmRSS`) and peak (`VmHWM`) after each stage: torch and lossless imported, the model loaded, the first forward
 (where exact mode packs its weights), the decode done. Prints a table and, last, one JSON line.
 
+`--prompt-tokens N` decodes after a long prompt instead (about N tokens: numbered copies of the short one), where
+attention's working memory and the cache show.
+
     python benchmarks/memory.py --dtype bf16 --attn sdpa,exact --threads 2
+    python benchmarks/memory.py --dtype bf16 --attn sdpa,exact --threads 2 --prompt-tokens 6000 --max-new-tokens 8
 """
 
 from __future__ import annotations
@@ -57,22 +61,28 @@ def main() -> None:
     parser.add_argument("--attn", default="sdpa,exact")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="a prompt of about this many tokens (default: "
+                        "a short one)")
     args = parser.parse_args()
+    prompt = PROMPT
+    if args.prompt_tokens:  # each numbered copy is about 18 tokens
+        prompt = " ".join(f"Note {i}: {PROMPT}" for i in range(max(1, args.prompt_tokens // 18)))
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     results = []
     for attn in args.attn.split(","):
-        cli = [sys.executable, "-m", "lossless", "generate", PROMPT, "--model", args.model, "--dtype", args.dtype,
+        cli = [sys.executable, "-m", "lossless", "generate", prompt, "--model", args.model, "--dtype", args.dtype,
                "--attn", attn, "--max-new-tokens", str(args.max_new_tokens)]
         peak = peak_of_command(cli, env)
         staged = subprocess.run([sys.executable, "-c", STAGES, args.model, args.dtype, attn, str(args.threads),
-                                 PROMPT, str(args.max_new_tokens)], env=env, capture_output=True, text=True)
+                                 prompt, str(args.max_new_tokens)], env=env, capture_output=True, text=True)
         if staged.returncode != 0:
             raise SystemExit(f"staged run ({attn}) failed: {staged.stderr.strip().splitlines()[-1]}")
         stages = json.loads(staged.stdout.strip().splitlines()[-1])
         results.append({"attn": attn, "cli_peak_mib": round(peak, 1),
                         "stages": {k: {"rss_mib": round(v["VmRSS"], 1), "peak_mib": round(v["VmHWM"], 1)}
                                    for k, v in stages.items()}})
-    print(f"peak resident memory, {args.model} {args.dtype}, {args.max_new_tokens} new tokens, {args.threads} threads, "
+    after = f" after about {args.prompt_tokens} prompt tokens" if args.prompt_tokens else ""
+    print(f"peak resident memory, {args.model} {args.dtype}, {args.max_new_tokens} new tokens{after}, {args.threads} threads, "
           f"{platform.processor() or platform.machine()}")
     names = list(results[0]["stages"])
     print(f"{'attn':>6} {'generate peak':>14} " + " ".join(f"{n + ' rss/peak':>26}" for n in names))
@@ -84,6 +94,7 @@ def main() -> None:
         for r in results[1:]:
             print(f"{r['attn']} against {results[0]['attn']}: {100 * (r['cli_peak_mib'] / base - 1):+.0f}% peak")
     print(json.dumps({"benchmark": "memory", "model": args.model, "dtype": args.dtype, "threads": args.threads,
+                      "prompt_tokens": args.prompt_tokens,
                       "max_new_tokens": args.max_new_tokens, "results": results}))
 
 

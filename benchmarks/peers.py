@@ -50,7 +50,8 @@ def requantized(spec: str, dtype: str, quantize: str | Path | None = None) -> Pa
         raise LosslessError(f"llama_cpp: no GGUF file type for dtype {dtype}; use one of {', '.join(FILE_TYPES)}")
     constant, suffix = FILE_TYPES[dtype]
     source = source_gguf(spec)
-    target = cache_dir() / "peers" / f"{source.stem}.{suffix}.gguf"
+    maker = "" if quantize is None else ".llama-quantize"  # each requantizer's own file
+    target = cache_dir() / "peers" / f"{source.stem}.{suffix}{maker}.gguf"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -92,6 +92,8 @@ def stall_round(url: str, args) -> list[dict]:
     stream.join(600)
     gaps = [(a, b) for a, b in zip(stream.chunks, stream.chunks[1:])]
     quiet = [b - a for a, b in gaps if not any(a < w1 and b > w0 for w0, w1, _ in windows)]
+    if not quiet:
+        raise SystemExit("every gap of the stream overlapped a large body: use a longer --max-tokens or fewer --bodies")
     base = statistics.median(quiet)
     rows = []
     for w0, w1, status in windows:
@@ -137,6 +139,8 @@ def main() -> None:
     parser.add_argument("--inflight", type=int, default=8, help="streams decoding when SIGTERM comes")
     parser.add_argument("--max-tokens", type=int, default=256)
     args = parser.parse_args()
+    if args.bodies < 1 or args.rounds < 1 or args.inflight < 1:
+        raise SystemExit("--bodies, --rounds and --inflight must be at least 1")
     from lossless.decoding import kernels
 
     port = free_port()

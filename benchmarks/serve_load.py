@@ -71,9 +71,11 @@ def start_llama_server(args, port: int, log, options: str) -> subprocess.Popen:
     dtype = "bf16" if args.dtype == "auto" else args.dtype
     gguf = peers.requantized(args.model, dtype, quantize=quantize if quantize.is_file() else None)
     opts = options.split()
-    slots = int(opts[opts.index("-np") + 1]) if "-np" in opts else 1
+    flag = next((f for f in ("-np", "--parallel") if f in opts), None)
+    slots = int(opts[opts.index(flag) + 1]) if flag else 1
+    per_slot = SLOT_CONTEXT + args.context_tokens
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads),
-           "-tb", str(args.threads), "-c", str(SLOT_CONTEXT * slots), "--jinja", "--no-webui", *opts]
+           "-tb", str(args.threads), "-c", str(per_slot * slots), "--jinja", "--no-webui", *opts]
     return wait_healthy(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), port, log, "llama-server")
 
 
@@ -123,9 +125,16 @@ def run_level(client, model: str, prompts: list[str], clients: int, requests: in
     results, lock = [], threading.Lock()
     work = iter(range(clients * requests))
 
+    failures = []
+
     def worker():
         for i in work:
-            r = {"prompt": i % len(prompts), **one_request(client, model, prompts[i % len(prompts)], max_tokens, extra)}
+            try:
+                r = {"prompt": i % len(prompts),
+                     **one_request(client, model, prompts[i % len(prompts)], max_tokens, extra)}
+            except Exception as exc:  # noqa: BLE001 - a failed request invalidates the level: said below
+                failures.append(exc)
+                continue
             with lock:
                 results.append(r)
 
@@ -136,6 +145,9 @@ def run_level(client, model: str, prompts: list[str], clients: int, requests: in
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    if failures:
+        raise SystemExit(f"{len(failures)} of {clients * requests} requests failed with {clients} clients, e.g. "
+                         f"{type(failures[0]).__name__}: {str(failures[0])[:300]}")
 
     def pct(values, q):
         values = sorted(values)

@@ -47,6 +47,9 @@ DEFAULT_BATCH = 8
 # A 1,500-token prompt joining 7 decoding requests: their longest gap 0.23 s instead of 1.99 s, its own first
 # token 1.05x later; 64 rows: 0.16 s and 1.25x (machine A, results/serving/batch_prefill_bf16_exact_machine_a.txt)
 PREFILL_CHUNK = 128
+# The rows of one exact-mode prefill forward: a longer prompt runs in chunks of this many (the same bits), so its
+# activations stay bounded (a 6,000-token prompt in one pass held about 110 MB more at its peak than stock's)
+EXACT_PREFILL_CHUNK = 256
 
 
 def check_tree(tree: int, cycle: str, greedy: bool, lookup: int = 0) -> None:

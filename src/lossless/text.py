@@ -88,8 +88,10 @@ class StreamDecoder:
     in the ids (prefix and read offsets): each push decodes only the ids from `prefix` on, where `prefix` is where
     the previous increment's window began. Decoding from a few ids back, not from the unread ids alone, gives
     tokenizers whose decode depends on neighbours (a SentencePiece word's leading space dropped at the start of
-    a text, spaces cleaned up before punctuation) the same context on both sides of the difference taken, so the
-    increments add up to the decode of all the ids, as re-decoding everything on every push did."""
+    a text) the same context on both sides of the difference taken, so the increments add up to the decode of all
+    the ids, as re-decoding everything on every push did. (A decode that cleans up spaces before punctuation across
+    tokens, `clean_up_tokenization_spaces`, can change text already sent: no stream adds up there, this one or
+    re-decoding everything; the engine then answers with what it streamed.)"""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer, self.skip = tokenizer, skip_special_tokens

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import NO_EOS, perturb_head, tiny_backbone
+from conftest import NO_EOS, VOCAB, perturb_head, tiny_backbone
 from lossless.decoding import kernels
 from lossless.decoding.loop import DecodeConfig, decode
 from lossless.decoding.dualview import additive_mask, tree_visibility
@@ -216,6 +216,28 @@ def test_exact_attention_computes_attention_over_the_visible_keys(dtype):
             got, _ = exact_attention(None, q.to(dtype), k.to(dtype), v.to(dtype), mask, scaling=0.25, is_causal=None)
             assert got.dtype == dtype and got.shape == (1, 5, 6, 16)
             assert torch.allclose(got.float(), want.transpose(1, 2), atol=2e-2 if dtype != torch.float32 else 1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@settings(max_examples=12, **SLOW)
+@given(n=st.integers(2, 120), chunk=st.integers(1, 64), seed=st.integers(0, 2**16))
+def test_a_prefill_in_chunks_gives_the_bits_of_one_pass(family, n, chunk, seed):
+    """Exact mode runs a long prompt's prefill in chunks of EXACT_PREFILL_CHUNK rows: the last logits and every
+    cached key and value are bitwise those of the prompt in one pass."""
+    from unittest import mock
+
+    from lossless.decoding import model as modeling
+
+    model = exact_tiny(family, torch.bfloat16)
+    prompt = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    with mock.patch.object(modeling, "EXACT_PREFILL_CHUNK", 0):  # one pass
+        whole, last = model.prefill(prompt)
+    with mock.patch.object(modeling, "EXACT_PREFILL_CHUNK", chunk):
+        chunked, last_chunked = model.prefill(prompt)
+    assert torch.equal(last, last_chunked)
+    assert chunked.get_seq_length() == whole.get_seq_length() == n
+    for a, b in zip(whole.layers, chunked.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

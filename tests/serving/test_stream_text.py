@@ -1,7 +1,9 @@
 """Streamed text: the increments `StreamDecoder` sends add up to the decode of all the ids, however the ids were
 chunked, on a byte-level BPE tokenizer (the embedded model's: characters split across tokens), a word-level one
-(spaces between words, cleaned up before punctuation) and a SentencePiece-style one (a word's leading space dropped
-at the start of a text); and each push decodes a bounded window of ids, not all of them."""
+(spaces between words, special tokens skipped) and a SentencePiece-style one (a word's leading space dropped at the
+start of a text); and each push decodes a bounded window of ids, not all of them. (A decode that cleans up spaces
+before punctuation across tokens, `clean_up_tokenization_spaces`, is not additive for any stream: the engine then
+answers with what it streamed.)"""
 
 import pytest
 from hypothesis import given, settings, strategies as st

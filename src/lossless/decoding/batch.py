@@ -168,11 +168,15 @@ class BatchDecoder:
         """Where a handed-over cache's rows are in the shared cache: (first position, how many)."""
         n = cache.get_seq_length()
         if not any(s.state.cache.get_seq_length() for s in self.sequences):  # nobody's keys: it becomes the shared one
-            self.cache = cache
+            self.cache, self.mixed = cache, 0
             return 0, n
         start = self.cache.get_seq_length()
-        for i, layer in enumerate(cache.layers):
-            self.cache.update(layer.keys, layer.values, i)
+        try:
+            for i, layer in enumerate(cache.layers):
+                self.cache.update(layer.keys, layer.values, i)
+        except BaseException:  # (out of memory, say) no layer may keep rows the others lack: the others' keys
+            self.cache.crop(start)
+            raise
         return start, n
 
     @staticmethod

@@ -13,7 +13,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-ROOM = 256  # positions of room a new buffer gets beyond what it must hold, at least (and half as many again)
+# positions of room a new buffer gets beyond what it must hold: at least ROOM, else an eighth as many again (a
+# long prompt's cache then holds 1/8 more, not 1/2, and growing by decode steps copies the cache every n/8 steps)
+ROOM = 256
+GROWTH = 8
 
 
 class GrowingLayer(DynamicLayer):
@@ -52,7 +55,7 @@ class GrowingLayer(DynamicLayer):
     def _grow(self, n: int, q: int, key_like: torch.Tensor, value_like: torch.Tensor) -> None:
         """New buffers shaped like `key_like`/`value_like` with room for n + q positions and more, holding the
         cache's n positions."""
-        cap = n + q + max(ROOM, (n + q) // 2)
+        cap = n + q + max(ROOM, (n + q) // GROWTH)
         fresh = tuple(torch.empty(*s.shape[:2], cap, s.shape[3], dtype=s.dtype, device=s.device)
                       for s in (key_like, value_like))
         if n:

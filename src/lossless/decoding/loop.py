@@ -216,7 +216,8 @@ class GenerationOutput:
     prompt_ids: list[int]
     finish_reason: str | None
     config: dict = field(default_factory=dict)  # what ran: dtype, attn, exact, mode, cycle, k, tree, lookup
-    cache: object = field(default=None, repr=False, compare=False)  # the decode's cache, where it was asked for
+    # the decode's cache, where it was asked for: whoever goes on with it owns it (a batch may make it its own)
+    cache: object = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats,

@@ -31,7 +31,7 @@ from .dualview import (DraftSpec, additive_mask, backbone_parameters, block_visi
                        diff_reference_parameters, draft_adapter_rank, draft_adapters_restored_on_error,
                        install_dual_view, set_draft_adapter, tree_visibility)
 from ..errors import LosslessError
-from ..names import EXACT, check_attn
+from ..names import EXACT, EXACT_PREFILL_CHUNK, check_attn
 
 
 class OrthrusLM(nn.Module):
@@ -219,8 +219,12 @@ class OrthrusLM(nn.Module):
         """Run the prompt through the AR view. Returns (cache holding the prompt, last-position logits [V])."""
         cache = self.new_cache()
         ids = torch.tensor([prompt_ids], device=self.device)
-        # in exact mode the prefill runs the fixed-order kernels too: every trajectory starts from its cache
-        logits = self._lm_forward(ids, 0, cache, last_only=True)
+        # in exact mode the prefill runs the fixed-order kernels too: every trajectory starts from its cache; in
+        # chunks of EXACT_PREFILL_CHUNK rows, each attending to the keys the earlier ones wrote (the same keys in the
+        # same order as one pass, so the same bits), which bounds the pass's working memory
+        step = EXACT_PREFILL_CHUNK if self.attn == EXACT and EXACT_PREFILL_CHUNK else ids.shape[1]
+        for start in range(0, ids.shape[1], step):
+            logits = self._lm_forward(ids[:, start:start + step], start, cache, last_only=True)
         return cache, logits[-1]
 
     @torch.no_grad()
