@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo test test-fast head head-data head-arms bench exact-fast study study-report study-backfill clean
+.PHONY: install llama-server demo test test-fast head head-data head-arms bench exact-fast study study-report study-backfill clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -112,6 +112,11 @@ exact-fast: $(STAMP)
 		--dynamo_backend no -m lossless audit --candidates orthrus-tree-lookup --configs $(EXACT_FAST_CONFIGS) \
 		--max-new-tokens 128 --no-progress --out results/exact-fast
 	$(BIN)/lossless report results/exact-fast --at-rest
+
+# llama.cpp's server and quantizer from the pinned llama-cpp-python release's sources, built once for this CPU
+# (about 7 minutes on 2 cores; needs cmake, ninja and g++): the audit's llama.cpp candidates and their tests use it
+llama-server: $(STAMP)
+	$(BIN)/python -m lossless.study.llamacpp
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -318,13 +318,13 @@ def cmd_audit(args) -> int:
     from . import paths
     from .study.candidates import check_kernel, parse_candidates
     from .dtypes import dtype_name
-    from .decoding.models import ATTN_KERNELS
+    from .names import AUDIT_KERNELS
 
     dtypes = [dtype_name(d) for d in args.dtypes.split(",") if d]
     attns = [a for a in args.attn.split(",") if a]
     for a in attns:
-        if a not in ATTN_KERNELS:
-            raise LosslessError(f"unknown attention kernel '{a}': choose from {', '.join(ATTN_KERNELS)}")
+        if a not in AUDIT_KERNELS:
+            raise LosslessError(f"unknown attention kernel '{a}': choose from {', '.join(AUDIT_KERNELS)}")
     if not dtypes or not attns:
         raise LosslessError("--dtypes and --attn need at least one value each")
     configs = None
@@ -372,7 +372,8 @@ def cmd_report(args) -> int:
 
         for seg in roll_all(args.run_dir) + roll_all(args.run_dir, BACKFILL_DIR):
             print(f"rolled unrolled records into {seg}")
-    summary = write_report(args.run_dir, out, at_rest=args.at_rest, reference=args.reference)
+    summary = write_report(args.run_dir, out, at_rest=args.at_rest, reference=args.reference,
+                           reference_from=args.reference_from)
     if summary.get("corrupt_lines"):
         bad = summary["corrupt_lines"]
         print(f"lossless: warning: skipped {len(bad)} record line(s) that are not records ({', '.join(bad[:3])}"
@@ -814,7 +815,8 @@ def _audit_parser(sub) -> None:
     a.add_argument("--suite", default=None, help="JSONL {id, domain, prompt} or JSON {domain: [prompts]}")
     a.add_argument("--configs", default=None,
                    help="the plan instead of --dtypes x --attn: comma-separated dtype/attn[:prompts per domain], "
-                        "run in this order, e.g. bf16/sdpa,fp32/sdpa,fp16/sdpa:20")
+                        "run in this order, e.g. bf16/sdpa,fp32/sdpa,fp16/sdpa:20; attn llama.cpp decodes with "
+                        "llama.cpp's server ($LLAMA_SERVER) on the embedded GGUF requantized to the dtype")
     a.add_argument("--max-new-tokens", type=_number(int, "--max-new-tokens", at_least=1), default=128,
                    help="tokens generated per prompt")
     a.add_argument("--k", type=_number(int, "--k", at_least=1), default=None, help="block size (default: the head's k; --cycle fused: at most 3)")
@@ -824,7 +826,9 @@ def _audit_parser(sub) -> None:
                         "(prompt lookup beside the drafts), orthrus-tree-lookup (both), oracle (the reference "
                         "as drafter), prompt-lookup, self-assisted, hf-greedy, or module:function (a callable "
                         "(model, prompt_ids, max_new_tokens) -> token ids); --cycle fused turns orthrus into "
-                        "orthrus-fused")
+                        "orthrus-fused. Under the kernel llama.cpp (--configs bf16/llama.cpp): llama.cpp's "
+                        "speculative modes llama.cpp-ngram-simple, -ngram-map-k, -ngram-map-k4v, -ngram-mod, "
+                        "-ngram-cache, -draft, against llama.cpp's own greedy AR")
     a.add_argument("--limit-per-domain", type=_number(int, "--limit-per-domain", at_least=1), default=None, help="first N prompts of each domain")
     a.add_argument("--shard", default=None,
                    help="i/n: run every n-th item starting at i (default: the process's rank under accelerate "
@@ -842,6 +846,9 @@ def _report_parser(sub) -> None:
     r.add_argument("--reference", default=None, metavar="DTYPE/KERNEL",
                    help="the AR trajectories every configuration is also compared with, e.g. fp32/sdpa or bf16/exact "
                         "(default: fp32 AR where the run has it)")
+    r.add_argument("--reference-from", default=None, metavar="RUN_DIR",
+                   help="take --reference's AR trajectories from this other audit run (same suite), e.g. the "
+                        "full study's fp32/sdpa for a run of llama.cpp")
     r.add_argument("--at-rest", action="store_true",
                    help="first roll every writer's plain records into compressed segments (safe while an "
                         "audit runs), then report from the segments only: what a checkout of them holds")

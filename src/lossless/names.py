@@ -14,6 +14,8 @@ CYCLES = ("two-pass", "fused")  # how orthrus spends forwards: draft then verify
 EXACT = "exact"
 AUTO = "auto"  # dtype/attn: the fastest lossless configuration of the device (decoding/models.py: resolve_auto)
 ATTN_KERNELS = ("sdpa", "eager", EXACT)
+LLAMA_CPP = "llama.cpp"  # the audit's other engine: llama.cpp decodes, our model only tokenizes (llamacpp.py)
+AUDIT_KERNELS = ATTN_KERNELS + (LLAMA_CPP,)  # what an audit configuration may name after its dtype
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
 
 

@@ -44,10 +44,11 @@ import torch
 from tqdm import tqdm
 
 from . import candidates as cands
+from . import llamacpp
 from ..decoding.loop import DecodeConfig, decode
 from ..dtypes import dtype_name
 from ..errors import LosslessError, not_utf8
-from ..names import ATTN_KERNELS, EXACT, positive_int
+from ..names import AUDIT_KERNELS, EXACT, LLAMA_CPP, positive_int
 from ..paths import check_writable_dir, exclusive_lock, make_dir, write_atomically
 from ..decoding.model import OrthrusLM
 from .records import RecordStore, read_records, record_id, writer_name
@@ -155,8 +156,8 @@ def parse_config(text: str) -> tuple[str, str, int | None]:
     dtype, _, attn = spec.partition("/")
     if not dtype or not attn:
         raise LosslessError(f"config '{text}': expected dtype/attn[:prompts per domain], e.g. bf16/sdpa or fp16/sdpa:20")
-    if attn not in ATTN_KERNELS:
-        raise LosslessError(f"config '{text}': unknown attention kernel '{attn}'; choose from {', '.join(ATTN_KERNELS)}")
+    if attn not in AUDIT_KERNELS:
+        raise LosslessError(f"config '{text}': unknown attention kernel '{attn}'; choose from {', '.join(AUDIT_KERNELS)}")
     n = positive_int(limit, f"config '{text}': the prompts per domain after ':' must be a positive integer") \
         if limit else None
     return dtype_name(dtype), attn, n
@@ -273,7 +274,11 @@ def open_run(run_dir: Path, cfg: AuditConfig, planned: int, command: list[str]) 
     mine["suite"] = portable_path(cfg.suite)
     if cfg.head:
         mine["head"] = portable_path(cfg.head)
-    info = {"config": mine, "planned": planned, "environment": environment(), "command": command,
+    env = environment()
+    if any(attn == LLAMA_CPP for _, attn, _ in cfg.plan()):
+        env["llama_server"] = llamacpp.server_version()
+        env["llama_cpp_modes"] = {f"{LLAMA_CPP}-{mode}": " ".join(o) for mode, o in llamacpp.MODES.items()}
+    info = {"config": mine, "planned": planned, "environment": env, "command": command,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     write_atomically(path, json.dumps(info, indent=2) + "\n")
 
@@ -381,6 +386,11 @@ def reference_kernels(attn: str) -> list[str]:
 
 
 def compute_reference(model: OrthrusLM, ids: list[int], dcfg: DecodeConfig) -> Reference:
+    if isinstance(model, llamacpp.Engine):  # llama.cpp's own greedy decoding, its log-probabilities
+        d = model.decode(llamacpp.GREEDY, ids, dcfg.max_new_tokens)
+        log_ppl = d.log_ppl()
+        return Reference(d.ids, d.margins, None if log_ppl is None else round(log_ppl, 6), len(d.ids), d.seconds,
+                         tops=d.tops)
     ar = decode(model, ids, "ar", dcfg)
     log_ppl = response_log_ppl(model, ids, ar.generated)
     return Reference(ar.generated, ar.margins, None if math.isnan(log_ppl) else round(log_ppl, 6),
@@ -472,6 +482,9 @@ def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, comma
     for _, attn, _ in cfg.plan():  # every candidate can run under every kernel of the plan, or nothing runs
         for name in cfg.candidates:
             cands.check_kernel(name, attn)
+    if any(attn == LLAMA_CPP for _, attn, _ in cfg.plan()):  # its server and GGUF exist before anything is written
+        llamacpp.require_server()
+        llamacpp.source_gguf(cfg.model)
     work = plan_work(cfg, suite)
     if not work:
         raise LosslessError(f"suite {cfg.suite} is empty after filtering")
@@ -508,8 +521,8 @@ def check_requests(model: OrthrusLM, cfg: AuditConfig, prompts: list[dict]) -> N
     draft or a prompt whose response would run past the model's context."""
     from ..decoding.loop import validate
 
-    if model.tokenizer is None or not prompts:
-        return
+    if model.tokenizer is None or not prompts or isinstance(model, llamacpp.Engine):
+        return  # llama.cpp decodes no head and checks its context itself
     longest = max((encode_prompt(model.tokenizer, p["prompt"]) for p in prompts), key=len)
     cycles = {"fused" if n == "orthrus-fused" else "two-pass" for n in cfg.candidates}
     for cycle in sorted(cycles):
@@ -526,7 +539,8 @@ def _run_locked(cfg: AuditConfig, run_dir: Path, suite: list[dict], work: list, 
     head = cfg.head
     if pinned and load is None:
         head = locate_head(cfg.model, cfg.head, pinned)
-    load = load or (lambda d, a: load_model(cfg.model, d, cfg.device, a, head=head))
+    load = llamacpp.engine_loader(load or (lambda d, a: load_model(cfg.model, d, cfg.device, a, head=head)),
+                                  cfg.model)
     models: dict[tuple[str, str], OrthrusLM] = {}
     first = work[0][1:]
     models[first] = load(*first)

@@ -16,7 +16,11 @@ one greedy trajectory, a `CandidateRun`. Built in:
 - `prompt-lookup`: Hugging Face `generate(prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)`, greedy;
 - `self-assisted`: Hugging Face assisted generation with the model as its own assistant: its drafts are
   the model's own greedy choices, so, as with `oracle`, a divergence is verification's alone;
-- `hf-greedy`: plain Hugging Face `generate`, greedy: a control for the HF candidates (no speculation).
+- `hf-greedy`: plain Hugging Face `generate`, greedy: a control for the HF candidates (no speculation);
+- `llama.cpp-<mode>`: llama.cpp's server decoding with one of its speculative modes (`llamacpp.MODES`: the
+  n-gram modes `ngram-simple`, `ngram-map-k`, `ngram-map-k4v`, `ngram-mod`, `ngram-cache`, and `draft`, a draft
+  model made of the embedded model's own 4-bit file), audited under the kernel `llama.cpp` only, against
+  llama.cpp's own greedy decoding of the same file: its losslessness, on its own kernels.
 
 and `module:function`: any importable callable `(model, prompt_ids, max_new_tokens) -> generated token
 ids` (a list or a 1-D tensor; greedy; generated ids only, ending at EOS (kept) or max_new_tokens, like the
@@ -45,7 +49,8 @@ import torch
 
 from ..decoding.loop import DecodeConfig, block_size, decode
 from ..errors import LosslessError
-from ..names import DEFAULT_LOOKUP, DEFAULT_TREE, EXACT
+from .llamacpp import MODES
+from ..names import DEFAULT_LOOKUP, DEFAULT_TREE, EXACT, LLAMA_CPP
 
 PROMPT_LOOKUP_TOKENS = 10  # draft length of prompt lookup (the Hugging Face documentation's suggestion)
 DEFAULT = "orthrus"
@@ -75,6 +80,7 @@ class Candidate:
     run: Runner
     hf_generate: bool = False  # runs Hugging Face generate: stock kernels only
     exact_ok: bool = True  # may run under attn=exact (a user's decoder only if it says so)
+    engine: str | None = None  # decodes in another engine (llama.cpp): audited under that kernel only
 
 
 # ------------------------------------------------------------------------------------ decode-loop ones
@@ -168,6 +174,17 @@ def run_hf_greedy(model, ids, cfg, reference):
     return hf_generate(model, ids, cfg.max_new_tokens)
 
 
+# ------------------------------------------------------------------------------------------- llama.cpp
+def llama_cpp_runner(mode: str) -> Runner:
+    """A speculative mode of llama.cpp's server; `model` is the audit's `llamacpp.Engine`."""
+    def run(model, ids, cfg, reference):
+        d = model.decode(mode, ids, cfg.max_new_tokens)
+        return CandidateRun(d.ids, d.seconds, margins=d.margins, tops=d.tops)
+    return run
+
+
+LLAMA_CPP_PREFIX = f"{LLAMA_CPP}-"
+
 BUILTIN = {
     "orthrus": Candidate("orthrus", run_orthrus),
     "orthrus-fused": Candidate("orthrus-fused", run_orthrus_fused),
@@ -178,6 +195,8 @@ BUILTIN = {
     "prompt-lookup": Candidate("prompt-lookup", run_prompt_lookup, hf_generate=True),
     "self-assisted": Candidate("self-assisted", run_self_assisted, hf_generate=True),
     "hf-greedy": Candidate("hf-greedy", run_hf_greedy, hf_generate=True),
+    **{LLAMA_CPP_PREFIX + mode: Candidate(LLAMA_CPP_PREFIX + mode, llama_cpp_runner(mode), engine=LLAMA_CPP)
+       for mode in MODES},
 }
 
 
@@ -244,6 +263,12 @@ def check_kernel(name: str, attn: str) -> None:
     """Refuse a candidate that cannot run under `attn` (HF generate cannot drive the exact kernels; a user's
     decoder runs there only if it declares that it decodes with the model's own exact-mode passes)."""
     candidate = resolve(name)
+    if candidate.engine != (attn if attn == LLAMA_CPP else None):
+        if candidate.engine:
+            raise LosslessError(f"candidate '{name}' decodes in {candidate.engine}: audit it under the kernel "
+                                f"{candidate.engine} (--configs bf16/{candidate.engine}), against {candidate.engine}'s own AR")
+        raise LosslessError(f"under the kernel {attn} llama.cpp decodes: audit its speculative modes there "
+                            f"({', '.join(n for n, c in BUILTIN.items() if c.engine)}), not '{name}'")
     if attn == EXACT and not candidate.exact_ok:
         fn = name.partition(":")[2]
         raise LosslessError(f"candidate '{name}' does not say it runs exact mode's kernels: set {fn}.{EXACT_MARK} = "

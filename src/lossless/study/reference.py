@@ -71,12 +71,14 @@ def trajectories(records: list[dict], reference: tuple[str, str]) -> dict[str, l
     return ref_ids
 
 
-def compare(records: list[dict], reference: tuple[str, str], config_of, label_of) -> dict:
+def compare(records: list[dict], reference: tuple[str, str], config_of, label_of,
+            source: list[dict] | None = None, source_name: str | None = None) -> dict:
     """The summary.json section: for each configuration (`config_of(record)` -> key, `label_of(key)` -> label)
     whose prompts have a reference trajectory, its AR's and its candidate's agreement with the reference, overall
-    and per domain. The reference configuration's own AR is marked as the reference (it agrees with itself)."""
+    and per domain. The reference configuration's own AR is marked as the reference (it agrees with itself).
+    `source`: the records (of another run, `source_name`) holding the reference trajectories, else `records`."""
     dtype, kernel = reference
-    ref_ids = trajectories(records, reference)
+    ref_ids = trajectories(records if source is None else source, reference)
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         if str(r.get("prompt_id")) in ref_ids:
@@ -101,8 +103,9 @@ def compare(records: list[dict], reference: tuple[str, str], config_of, label_of
         rows.append({"label": label_of(key), "dtype": key[0], "attn": key[1], "reference_attn": key[2],
                      "candidate_name": key[3], "n": len(recs), "is_reference": is_ref, "ar": ar, "candidate": cand,
                      "domains": domains})
-    return {"reference": {"dtype": dtype, "attn": kernel, "label": label(dtype, kernel), "n_prompts": len(ref_ids)},
-            "configs": rows}
+    name = label(dtype, kernel) + (f" of {source_name}" if source_name else "")
+    ref = {"dtype": dtype, "attn": kernel, "label": name, "n_prompts": len(ref_ids)}
+    return {"reference": {**ref, "run": source_name} if source_name else ref, "configs": rows}
 
 
 def _pct(part: dict, with_ci: bool = True) -> str:

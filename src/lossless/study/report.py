@@ -20,7 +20,7 @@ from ..errors import LosslessError
 from ..names import EXACT as EXACT_KERNEL
 from ..jsonio import atomic_write
 from ..plots import new_figure, save_figure
-from ..stats import logistic_regression, wilson_interval
+from ..stats import bootstrap_mean, logistic_regression, wilson_interval
 from . import backfill
 from . import reference as refcmp
 from .records import read_records, record_files, record_id
@@ -192,6 +192,18 @@ def _decode_seconds(records: list[dict]) -> dict[str, float]:
     return seconds
 
 
+def _speed(recs: list[dict]) -> dict | None:
+    """The candidate's speed against its AR reference on the same prompts: the geometric mean of AR seconds over
+    candidate seconds per pair, with a bootstrap 95% interval over the pairs (timings of the audit itself, on a
+    machine that may have been doing other work: a benchmark's numbers are its own)."""
+    logs = [math.log(r["ar_seconds"] / r["orthrus_seconds"]) for r in recs
+            if (r.get("ar_seconds") or 0) > 0 and (r.get("orthrus_seconds") or 0) > 0]
+    if not logs:
+        return None
+    b = bootstrap_mean(logs)
+    return {"n": len(logs), "ratio": math.exp(b["mean"]), "ci95": [math.exp(x) for x in b["ci95"]]}
+
+
 def _diverging_first(recs: list[dict]) -> float | None:
     return _mean(r.get("first_divergence") for r in recs if not _match(r))
 
@@ -224,9 +236,11 @@ def _finite(obj):
     return obj
 
 
-def summarise(records: list[dict], run_info: dict, reference: str | None = None) -> dict:
+def summarise(records: list[dict], run_info: dict, reference: str | None = None,
+              reference_run: tuple[str, list[dict]] | None = None) -> dict:
     """The summary.json object (see `write_report`). `reference`: "dtype/kernel" of the AR trajectories every
-    configuration is also compared with (default: fp32 AR where the run has it; see `reference.choose`)."""
+    configuration is also compared with (default: fp32 AR where the run has it; see `reference.choose`), taken
+    from `reference_run` ((name, records) of another run) where given."""
     groups = _group(records)
     seconds = _decode_seconds(records)
     configs, domains, regression, ppl = [], {}, {}, {}
@@ -239,6 +253,7 @@ def summarise(records: list[dict], run_info: dict, reference: str | None = None)
                         "exact_match_rate": rate, "ci95": ci, "margin_at_divergence": _divergence_margins(recs),
                         "mean_tokens_per_step": _mean(r.get("tokens_per_step") for r in recs),
                         "mean_first_divergence": _diverging_first(recs),
+                        "speed_vs_ar": _speed(recs),
                         "mean_levenshtein": _mean(r.get("levenshtein") for r in recs),
                         "cycle": cycle,
                         "mean_seconds_per_pair": _mean(seconds[record_id(r)] for r in recs),
@@ -262,8 +277,10 @@ def summarise(records: list[dict], run_info: dict, reference: str | None = None)
     machines: dict[str, int] = defaultdict(int)
     for r in records:
         machines[str(r.get("machine") or "not recorded")] += 1
-    chosen = refcmp.choose(records, reference)
-    against = refcmp.compare(records, chosen, _config, lambda key: config_label(*key)) if chosen else None
+    source_name, source = reference_run if reference_run else (None, None)
+    chosen = refcmp.choose(records if source is None else source, reference)
+    against = refcmp.compare(records, chosen, _config, lambda key: config_label(*key), source, source_name) \
+        if chosen else None
     extra = {k: run_info[k] for k in ("corrupt_lines", "kernel_versions") if run_info.get(k)}
     tops = backfill.top_token_counts(records)
     if tops["backfilled"] or tops["not_reproduced"] or tops["missing"]:  # said only where not all were recorded
@@ -394,6 +411,10 @@ def _several_candidates(summary: dict) -> bool:
     return {c["candidate"] for c in summary["configs"]} != {"orthrus"}
 
 
+def _speed_cell(s: dict | None) -> str:
+    return "—" if not s else f"{s['ratio']:.2f}x [{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}]"
+
+
 def _candidates_section(summary: dict) -> list[str]:
     """Exact match by candidate (rows) and configuration (columns), and where diverging pairs parted."""
     if not _several_candidates(summary):
@@ -411,12 +432,15 @@ def _candidates_section(summary: dict) -> list[str]:
          "own greedy choices, so every divergence of theirs comes from verifying several tokens in one forward.", ""]
     L += _table(["candidate", *cols], [[name, *(show(cell.get((name, col))) for col in cols)] for name in cands])
     L += ["Where diverging pairs part: the reference's top-1 minus top-2 logit at the first divergence "
-          "(tie = 0; near-tie = at most 0.25).", ""]
-    L += _table(["candidate", "config", "diverging", "median margin", "ties", "near-ties", "mean first divergence"],
+          "(tie = 0; near-tie = at most 0.25; llama.cpp gives log-probabilities, whose differences are the "
+          "logits'). Speed: AR seconds over the candidate's on the same prompt, geometric mean over the pairs with a "
+          "bootstrap 95% interval, timed during the audit (a benchmark's numbers are its own).", ""]
+    L += _table(["candidate", "config", "diverging", "median margin", "ties", "near-ties", "mean first divergence",
+                 "speed vs AR [95% CI]"],
                 [[c["candidate"], config_label(c["dtype"], c["attn"], c["reference_attn"]),
                   c["margin_at_divergence"]["n_diverging"], _num(c["margin_at_divergence"]["median_margin"], ".3g"),
                   c["margin_at_divergence"]["ties"], c["margin_at_divergence"]["near_ties"],
-                  _num(c["mean_first_divergence"], ".1f")]
+                  _num(c["mean_first_divergence"], ".1f"), _speed_cell(c.get("speed_vs_ar"))]
                  for c in summary["configs"]])
     return L
 
@@ -670,7 +694,7 @@ _PLOTS = (_plot_configs, _plot_candidates, _plot_reference, _plot_ppl_bins, _plo
 # --- entry point ---------------------------------------------------------------------------------
 
 def write_report(run_dir, out_dir=None, at_rest: bool = False, html: bool = True, tokenizer="from-run",
-                 reference: str | None = None) -> dict:
+                 reference: str | None = None, reference_from: str | Path | None = None) -> dict:
     """Write report.md, the PNG plots, summary.json and (`html`) report.html for the run in `run_dir` (into
     `out_dir`, default `run_dir`) and return the summary. `tokenizer`: what report.html decodes tokens with
     (default: the run's model's; None: ids only). Works on partial runs; `at_rest` reports only the committed
@@ -702,7 +726,12 @@ def write_report(run_dir, out_dir=None, at_rest: bool = False, html: bool = True
         raise LosslessError(f"no records in {run_dir}: expected records*.jsonl written by `lossless audit`")
     out = Path(out_dir) if out_dir is not None else run_dir
     out.mkdir(parents=True, exist_ok=True)
-    summary = summarise(records, run_info, reference)
+    reference_run = None
+    if reference_from is not None:  # the reference trajectories of another run (e.g. the full study's fp32 AR)
+        if not Path(reference_from).is_dir():
+            raise LosslessError(f"--reference-from {reference_from} is not a run directory: pass another audit's --out")
+        reference_run = (str(reference_from), load_run(Path(reference_from), at_rest)[0])
+    summary = summarise(records, run_info, reference, reference_run)
     summary["report_id"] = report_id(records, summary)
     groups = _group(records)
     plots = [p for p in (draw(summary, groups, out) for draw in _PLOTS) if p is not None]
@@ -717,7 +746,8 @@ def write_report(run_dir, out_dir=None, at_rest: bool = False, html: bool = True
     if html:
         ref = summary.get("reference_comparison")
         write_page(out, records, run_info, markdown, plots, tokenizer,
-                   (ref["reference"]["dtype"], ref["reference"]["attn"]) if ref else None)
+                   (ref["reference"]["dtype"], ref["reference"]["attn"]) if ref else None,
+                   reference_run[1] if reference_run else None, ref["reference"]["label"] if ref else None)
     return summary
 
 
@@ -741,7 +771,8 @@ FROM_RUN = "from-run"  # write_report's default tokenizer: the run's own model's
 
 
 def write_page(out: Path, records: list[dict], run_info: dict, markdown: str, plots: list[tuple[str, str]],
-               tokenizer=FROM_RUN, reference: tuple[str, str] | None = None) -> Path:
+               tokenizer=FROM_RUN, reference: tuple[str, str] | None = None,
+               reference_records: list[dict] | None = None, reference_label: str | None = None) -> Path:
     """report.html (see `htmlreport`): the prompts from the run's suite and token texts from its model's
     tokenizer where this machine has them; what is missing is said on the page. `reference`: (dtype, kernel) of
     the report's reference configuration, whose AR trajectory the viewer shows beside each pair's own."""
@@ -760,7 +791,8 @@ def write_page(out: Path, records: list[dict], run_info: dict, markdown: str, pl
     labels = {record_id(r): config_label(*_config(r)[:3]) for r in records}
     against = None
     if reference:  # the viewer shows each pair against the report's reference too
-        against = {"label": refcmp.label(*reference), "ids": refcmp.trajectories(records, reference)}
+        against = {"label": reference_label or refcmp.label(*reference),
+                   "ids": refcmp.trajectories(records if reference_records is None else reference_records, reference)}
     return htmlreport.write_html(out, records, labels, markdown, plots, prompts, tokenizer, notes, against)
 
 

@@ -1,0 +1,374 @@
+"""llama.cpp, the engine most CPU users run, as a peer: the embedded model's own GGUF file requantized by llama.cpp
+to a dtype (so both engines read the same weights), and llama.cpp's own server (`llama-server`) decoding token ids
+greedily, plainly or with one of its speculative modes. The audit's llama.cpp candidates (`candidates.py`)
+and the benchmarks (`benchmarks/peers.py`, `serve_load.py`) build on this.
+
+The server binary is the one `$LLAMA_SERVER` names, else `llama-server` on PATH, else this CPU's build of the pinned
+release that `build()` makes (`make llama-server`, or `python -m lossless.study.llamacpp`). Its `llama-quantize`
+(beside it) requantizes the GGUF.
+
+Each decode is one `/completion` request: the prompt as token ids (the same chat template as ours), greedy
+(temperature 0), no prompt reuse between requests, the top two log-probabilities of every generated token (their
+difference is the logit margin: a softmax shifts every logit alike). llama.cpp stops at its end-of-generation
+tokens and returns the last one, as our decode loop keeps its EOS.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import LosslessError
+from ..paths import cache_dir
+
+SERVER_ENV = "LLAMA_SERVER"
+CONTEXT = 4096  # the server's context: a suite prompt and its 128-token answer fit many times over
+START_SECONDS = 300.0  # a server that does not answer /health by then is stuck
+
+# the dtype -> (llama-cpp-python's file type constant, file suffix, llama-quantize's type name)
+FILE_TYPES = {"bf16": ("LLAMA_FTYPE_MOSTLY_BF16", "bf16", "BF16"), "fp16": ("LLAMA_FTYPE_MOSTLY_F16", "f16", "F16"),
+              "fp32": ("LLAMA_FTYPE_ALL_F32", "f32", "F32")}
+
+# The speculative modes of the pinned llama.cpp that need no second model file, and one draft model made from the
+# embedded model's own file: candidate suffix -> llama-server options. The n-gram modes draft from n-grams of the
+# context as prompt lookup does (a 2-token match, up to 10 drafted tokens: Hugging Face's prompt lookup settings);
+# their defaults (a 12-token match) draft so rarely that nothing would be verified. `draft` drafts with the
+# embedded file itself (4-bit weights) for its bf16/fp16/fp32 requantization: the same model, other kernels.
+NGRAM = ("2", "10")  # lookup n-gram, drafted m-gram
+MODES: dict[str, list[str]] = {
+    "ngram-simple": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", NGRAM[0],
+                     "--spec-ngram-simple-size-m", NGRAM[1]],
+    "ngram-map-k": ["--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n", NGRAM[0],
+                    "--spec-ngram-map-k-size-m", NGRAM[1]],
+    "ngram-map-k4v": ["--spec-type", "ngram-map-k4v", "--spec-ngram-map-k4v-size-n", NGRAM[0],
+                      "--spec-ngram-map-k4v-size-m", NGRAM[1]],
+    "ngram-mod": ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", NGRAM[0], "--spec-ngram-mod-n-min", "1",
+                  "--spec-ngram-mod-n-max", NGRAM[1]],
+    "ngram-cache": ["--spec-type", "ngram-cache"],
+    "draft": ["--spec-type", "draft-simple", "--spec-draft-n-max", "8"],  # + "-md <the embedded GGUF>"
+}
+GREEDY = "greedy"  # plain decoding, no speculation
+
+
+def source_gguf(spec: str) -> Path:
+    """The GGUF file the embedded model `spec` is converted from."""
+    from ..decoding.models import EMBEDDED
+
+    if spec not in EMBEDDED:
+        raise LosslessError(f"llama.cpp runs the embedded models' GGUF files only ({', '.join(EMBEDDED)}), not {spec}")
+    package, name, pip_spec = EMBEDDED[spec]
+    found = importlib.util.find_spec(package)
+    path = Path(list(found.submodule_search_locations)[0]) / name if found else None
+    if path is None or not path.exists():
+        raise LosslessError(f"the embedded model '{spec}' needs its wheel: pip install --no-deps {pip_spec}")
+    return path
+
+
+def requantized(spec: str, dtype: str, quantize: str | Path | None = None) -> Path:
+    """The embedded GGUF requantized by llama.cpp to `dtype`, made once and cached (written aside, then renamed, so
+    an interrupted run leaves nothing half-written): through llama-cpp-python, or where `quantize` names a
+    `llama-quantize` binary (a llama.cpp build of its own, as `llama-server`'s), through that."""
+    if dtype not in FILE_TYPES:
+        raise LosslessError(f"llama.cpp: no GGUF file type for dtype {dtype}; use one of {', '.join(FILE_TYPES)}")
+    constant, suffix, type_name = FILE_TYPES[dtype]
+    source = source_gguf(spec)
+    maker = "" if quantize is None else ".llama-quantize"  # each requantizer's own file
+    target = cache_dir() / "peers" / f"{source.stem}.{suffix}{maker}.gguf"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(f".partial-{os.getpid()}")
+    if quantize is not None:
+        done = subprocess.run([str(quantize), "--allow-requantize", str(source), str(partial), type_name],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise LosslessError(f"{quantize} could not requantize {source} to {dtype}: "
+                                f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+        partial.replace(target)
+        return target
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, constant)
+    params.allow_requantize = True
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), params) != 0:
+        partial.unlink(missing_ok=True)
+        raise LosslessError(f"llama.cpp could not requantize {source} to {dtype}")
+    partial.replace(target)
+    return target
+
+
+RELEASE = "0.3.36"  # the llama-cpp-python release (pyproject's `peers` extra) whose llama.cpp sources are built
+BUILD_ENV = "LOSSLESS_LLAMA_BUILD"  # where builds are kept (default: $LOSSLESS_CACHE/llama.cpp)
+BUILT = ".built"  # written last: a build directory without it is unfinished and is built again
+CMAKE_OPTIONS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
+                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF",
+                 "-DLLAMA_USE_PREBUILT_UI=OFF"]
+
+
+def build_dir() -> Path:
+    """This CPU's build of the pinned release: native code, so one directory per release and instruction set."""
+    import hashlib
+
+    from ..decoding.kernels import cpu_flags
+
+    root = Path(os.environ.get(BUILD_ENV) or cache_dir() / "llama.cpp").expanduser()
+    isa = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:10]
+    return root / f"{RELEASE}-{isa}"
+
+
+def cached_build() -> Path:
+    """llama-server of `build()`'s build for this CPU (it may not exist yet)."""
+    return build_dir() / "build" / "bin" / "llama-server"
+
+
+def build(jobs: int | None = None) -> Path:
+    """Build llama.cpp's llama-server and llama-quantize from the pinned release's sources (PyPI's sdist of
+    llama-cpp-python), for this CPU, once: about 7 minutes on 2 cores. Needs cmake, ninja and a C++ compiler.
+    Returns the server binary. An interrupted build is started again from scratch."""
+    import sys
+
+    here = build_dir()
+    if (here / BUILT).is_file() and cached_build().is_file():
+        return cached_build()
+    if here.exists():
+        shutil.rmtree(here)
+    here.mkdir(parents=True)
+    for tool in ("cmake", "ninja"):
+        if shutil.which(tool) is None:
+            raise LosslessError(f"building llama.cpp needs {tool}: apt-get install {tool}, or pip install {tool}")
+
+    def run(cmd, cwd=here):
+        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise LosslessError(f"building llama.cpp failed at `{' '.join(map(str, cmd[:3]))} ...`: {' | '.join(tail)}")
+
+    run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={RELEASE}", "--no-deps", "--no-binary", ":all:",
+         "-d", str(here), "-q"])
+    run(["tar", "xzf", f"llama_cpp_python-{RELEASE}.tar.gz"])
+    source = here / f"llama_cpp_python-{RELEASE}" / "vendor" / "llama.cpp"
+    run(["cmake", "-S", str(source), "-B", str(here / "build"), "-G", "Ninja", *CMAKE_OPTIONS])
+    run(["cmake", "--build", str(here / "build"), "-j", str(jobs or os.cpu_count() or 1), "--target", "llama-server",
+         "llama-quantize"])
+    (here / BUILT).write_text(server_version(cached_build()) + "\n")
+    return cached_build()
+
+
+def find_server(path: str | Path | None = None) -> Path | None:
+    """The llama-server binary: `path`, else $LLAMA_SERVER, else on PATH, else the cached build; None if none."""
+    named = path or os.environ.get(SERVER_ENV)
+    if named:
+        p = Path(named).expanduser()
+        return p if p.is_file() else None
+    found = shutil.which("llama-server")
+    if found:
+        return Path(found)
+    return cached_build() if cached_build().is_file() and (build_dir() / BUILT).is_file() else None
+
+
+def require_server(path: str | Path | None = None) -> Path:
+    found = find_server(path)
+    if found is None:
+        named = path or os.environ.get(SERVER_ENV)
+        where = f"no llama-server binary at {named}" if named else "no llama-server binary found"
+        raise LosslessError(f"{where}: build one with `make llama-server` (docs/study.md), or set {SERVER_ENV} to yours")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: a SIGKILLed audit takes its servers with it (Linux's parent-death signal)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class Decoded:
+    """One greedy decode by llama.cpp: the generated ids (its last end-of-generation token kept), per token the
+    top two [[id, log-probability], ...] and top-1 minus top-2, and llama.cpp's own time (prefill + decode)."""
+    ids: list[int]
+    tops: list[list[list]]
+    margins: list[float]
+    seconds: float
+    drafted: int | None = None
+    accepted: int | None = None
+
+    def log_ppl(self) -> float | None:
+        """Mean negative log-probability of the chosen tokens (the response's log perplexity under llama.cpp)."""
+        chosen = [next((lp for t, lp in top if t == i), None) for i, top in zip(self.ids, self.tops)]
+        if not chosen or any(c is None for c in chosen):
+            return None
+        return -sum(chosen) / len(chosen)
+
+
+@dataclass
+class Server:
+    """One llama-server process on one GGUF file with one set of options, started on a free local port."""
+    binary: Path
+    gguf: Path
+    threads: int
+    options: list[str] = field(default_factory=list)
+    proc: subprocess.Popen | None = None
+    port: int = 0
+    log: Path | None = None
+
+    def start(self) -> "Server":
+        self.port = _free_port()
+        fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
+        self.log = Path(name)
+        cmd = [str(self.binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
+               "-t", str(self.threads), "-tb", str(self.threads), "-c", str(CONTEXT), "-np", "1", "--no-webui",
+               *self.options]
+        with os.fdopen(fd, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + START_SECONDS
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise LosslessError(f"llama-server exited with {self.proc.returncode} ({' '.join(self.options) or 'plain'}): "
+                                    f"{self._log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    return self
+            except OSError:
+                time.sleep(0.2)
+        self.close()
+        raise LosslessError(f"llama-server did not answer /health within {START_SECONDS:.0f} s: see {self.log}")
+
+    def _log_tail(self) -> str:
+        try:
+            lines = [x for x in self.log.read_text(errors="replace").splitlines() if x.strip()]
+        except OSError:
+            return "no log"
+        return lines[-1] if lines else "no output"
+
+    def decode(self, ids: list[int], max_new_tokens: int) -> Decoded:
+        if self.proc is None:
+            self.start()
+        body = {"prompt": list(ids), "n_predict": max_new_tokens, "temperature": 0.0, "cache_prompt": False,
+                "return_tokens": True, "n_probs": 2, "stream": False}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=3600) as response:
+                out = json.load(response)
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:300]
+            raise LosslessError(f"llama-server refused a {len(ids)}-token prompt: {detail}") from None
+        except OSError as exc:
+            raise LosslessError(f"llama-server stopped answering ({exc}): {self._log_tail()}") from None
+        tokens = [int(t) for t in out["tokens"]]
+        probs = out.get("completion_probabilities") or []
+        tops = [[[int(t["id"]), float(t["logprob"])] for t in p.get("top_logprobs", [])] for p in probs]
+        margins = [top[0][1] - top[1][1] if len(top) > 1 else float("inf") for top in tops]
+        timings = out.get("timings", {})
+        seconds = (timings.get("prompt_ms", 0.0) + timings.get("predicted_ms", 0.0)) / 1000.0
+        return Decoded(tokens, tops, margins, seconds, timings.get("draft_n"), timings.get("draft_n_accepted"))
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if self.log is not None:
+            self.log.unlink(missing_ok=True)
+
+
+_SERVERS: dict[tuple, Server] = {}
+
+
+def server(spec: str, dtype: str, mode: str, threads: int, binary: str | Path | None = None) -> Server:
+    """The running server decoding the embedded model `spec` requantized to `dtype`, plainly (`greedy`) or with a
+    speculative mode of MODES; started once per process and stopped when it exits."""
+    if mode != GREEDY and mode not in MODES:
+        raise LosslessError(f"unknown llama.cpp mode '{mode}': choose from {GREEDY}, {', '.join(MODES)}")
+    exe = require_server(binary)
+    key = (spec, dtype, mode, threads, str(exe))
+    if key not in _SERVERS:
+        quantize = exe.with_name("llama-quantize")
+        gguf = requantized(spec, dtype, quantize if quantize.is_file() else None)
+        options = list(MODES.get(mode, []))
+        if mode == "draft":
+            options += ["-md", str(source_gguf(spec)), "-tbd", str(threads), "-td", str(threads)]
+        _SERVERS[key] = Server(exe, gguf, threads, options).start()
+    return _SERVERS[key]
+
+
+@atexit.register
+def close_all() -> None:
+    for s in _SERVERS.values():
+        s.close()
+    _SERVERS.clear()
+
+
+def server_version(binary: str | Path | None = None) -> str:
+    """What `llama-server --version` says of its build ("version: ... (build N, commit ...)", compiler)."""
+    done = subprocess.run([str(require_server(binary)), "--version"], capture_output=True, text=True, timeout=60)
+    return "; ".join(x.strip() for x in (done.stdout + done.stderr).splitlines() if x.strip().startswith(("version", "built")))
+
+
+class Engine:
+    """llama.cpp in the place of a model under the audit's `llama.cpp` kernel: our model's tokenizer (so the prompt
+    ids are the same), llama.cpp's decodes of the embedded GGUF requantized to `dtype`, with this process's torch
+    threads."""
+
+    def __init__(self, model, spec: str, dtype: str, threads: int | None = None):
+        import torch
+
+        self.model, self.spec, self.dtype = model, spec, dtype
+        self.tokenizer = model.tokenizer
+        self.head_digest = getattr(model, "head_digest", "")
+        self.threads = threads or torch.get_num_threads()
+
+    def eos_token_ids(self):
+        return self.model.eos_token_ids()
+
+    def decode(self, mode: str, ids: list[int], max_new_tokens: int) -> Decoded:
+        return server(self.spec, self.dtype, mode, self.threads).decode(ids, max_new_tokens)
+
+
+def engine_loader(load, spec: str):
+    """`load(dtype, kernel)` of the audit, where the kernel `llama.cpp` gives an Engine over the stock model."""
+    from ..names import LLAMA_CPP
+
+    def loaded(dtype: str, kernel: str):
+        if kernel == LLAMA_CPP:
+            return Engine(load(dtype, "sdpa"), spec, dtype)
+        return load(dtype, kernel)
+    return loaded
+
+
+if __name__ == "__main__":  # `make llama-server`: build (or find) this CPU's llama-server, print its path
+    import sys
+
+    try:
+        print(build())
+    except LosslessError as exc:
+        print(f"lossless: error: {exc}", file=sys.stderr)
+        sys.exit(2)

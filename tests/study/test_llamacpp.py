@@ -1,0 +1,133 @@
+"""llama.cpp in the audit: its speculative modes are candidates under the kernel `llama.cpp` only, compared with
+llama.cpp's own greedy decoding of the same GGUF; a missing server is refused before anything is written.
+
+The integration tests run llama.cpp's server on the embedded model. Without a llama-server binary ($LLAMA_SERVER,
+PATH, or the cached build `make llama-server` makes) they skip, except where LOSSLESS_LLAMA_TESTS=required (CI
+builds one): there they fail."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from lossless.study import llamacpp
+from lossless.cli import main
+from lossless.errors import LosslessError
+from lossless.study.audit import run_audit
+from lossless.study.candidates import BUILTIN, check_kernel
+from lossless.study.report import load_run, write_report
+from test_audit import config, tiny_loader, write_suite
+
+SPEC = "smollm2-135m"
+THREADS = torch.get_num_threads()  # as the audit's engine runs its servers
+LLAMA = [n for n, c in BUILTIN.items() if c.engine]
+# prompts whose answers repeat their own words: n-gram drafting finds matches in them
+REPEATING = ["Repeat this list back to me three times: apple, banana, cherry, date, elderberry, fig, grape.",
+             "Write the numbers from one to twenty in words, separated by commas."]
+
+
+def test_every_speculative_mode_of_llama_cpp_is_a_candidate_of_its_kernel_only(tmp_path, capsys):
+    assert sorted(LLAMA) == sorted(f"llama.cpp-{m}" for m in llamacpp.MODES)
+    for name in LLAMA:
+        check_kernel(name, "llama.cpp")
+        with pytest.raises(LosslessError, match="audit it under the kernel llama.cpp"):
+            check_kernel(name, "sdpa")
+    for name in ("orthrus", "oracle", "prompt-lookup"):
+        with pytest.raises(LosslessError, match="llama.cpp decodes"):
+            check_kernel(name, "llama.cpp")
+    for configs, candidates in (("bf16/sdpa", "llama.cpp-ngram-simple"), ("bf16/llama.cpp", "orthrus")):
+        code = main(["audit", "--configs", configs, "--candidates", candidates, "--out", str(tmp_path / "run")])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_server_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setenv(llamacpp.SERVER_ENV, str(tmp_path / "no-such-llama-server"))
+    suite = write_suite(tmp_path / "s.jsonl")
+    out = tmp_path / "run"
+    cfg = config(suite, configs=["bf16/llama.cpp"], candidates=["llama.cpp-ngram-simple"])
+    with pytest.raises(LosslessError, match="docs/study.md"):
+        run_audit(cfg, out, load=tiny_loader, progress=False)
+    assert not out.exists()
+
+
+def test_reference_trajectories_from_another_run(tmp_path):
+    """`--reference-from`: one run's configurations against another run's AR (the full study's fp32 for llama.cpp)."""
+    suite = write_suite(tmp_path / "s.jsonl")
+    fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
+    run_audit(config(suite, dtypes=["fp32"]), fp32, load=tiny_loader, progress=False)
+    run_audit(config(suite, dtypes=["bf16"]), bf16, load=tiny_loader, progress=False)
+    with pytest.raises(LosslessError, match="no such AR reference"):
+        write_report(bf16, tmp_path / "none", html=False, reference="fp32/sdpa")  # bf16's own run has no fp32
+    summary = write_report(bf16, tmp_path / "r", html=False, reference="fp32/sdpa", reference_from=fp32)
+    section = summary["reference_comparison"]
+    assert section["reference"]["run"] == str(fp32) and section["reference"]["n_prompts"] == 6
+    theirs = {r["prompt_id"]: r["ar_ids"] for r in load_run(fp32)[0]}
+    ours = load_run(bf16)[0]
+    equal = sum(r["ar_ids"] == theirs[r["prompt_id"]] for r in ours)
+    (row,) = section["configs"]
+    assert row["n"] == 6 and row["ar"]["n_equal"] == equal and not row["is_reference"]
+    assert "fp32/sdpa AR of " in (tmp_path / "r" / "report.md").read_text()
+
+
+# ----------------------------------------------------------------------------------------- with a server
+@pytest.fixture(scope="module")
+def server_binary():
+    found = llamacpp.find_server()
+    if found is None:
+        if os.environ.get("LOSSLESS_LLAMA_TESTS") == "required":
+            pytest.fail("LOSSLESS_LLAMA_TESTS=required but no llama-server binary: run `make llama-server`")
+        pytest.skip("no llama-server binary (make llama-server builds one)")
+    return found
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from lossless.decoding.models import load_model
+
+    return load_model(SPEC, "bf16", "cpu", "sdpa")
+
+
+def test_llama_cpp_greedy_takes_its_top_token_and_its_modes_draft(server_binary, embedded):
+    from lossless.text import encode_prompt
+
+    ids = encode_prompt(embedded.tokenizer, REPEATING[0])
+    plain = llamacpp.server(SPEC, "bf16", llamacpp.GREEDY, THREADS).decode(ids, 40)
+    assert 1 <= len(plain.ids) <= 40 and len(plain.tops) == len(plain.ids) == len(plain.margins)
+    # greedy: every token is the most probable one, its margin over the runner-up >= 0
+    assert all(top[0][0] == t and top[0][1] >= top[1][1] for t, top in zip(plain.ids, plain.tops))
+    assert all(m >= 0 for m in plain.margins) and plain.log_ppl() > 0 and plain.seconds > 0
+    assert embedded.tokenizer.decode(plain.ids[:3])  # real token ids of the model's vocabulary
+    again = llamacpp.server(SPEC, "bf16", llamacpp.GREEDY, THREADS).decode(ids, 40)
+    assert again.ids == plain.ids  # no prompt reuse: the same request decodes the same tokens
+    lookup = llamacpp.server(SPEC, "bf16", "ngram-simple", THREADS).decode(ids, 40)
+    assert lookup.drafted and lookup.drafted > 0  # the mode speculates: its drafts are verified in batches
+
+
+def test_audit_of_llama_cpp_against_its_own_greedy(server_binary, embedded, tmp_path):
+    suite = tmp_path / "s.jsonl"
+    suite.write_text("".join(json.dumps({"id": f"r{i}", "domain": "repeat", "prompt": p}) + "\n"
+                             for i, p in enumerate(REPEATING)))
+    out = tmp_path / "run"
+    names = ["llama.cpp-ngram-simple", "llama.cpp-draft"]
+    cfg = config(suite, configs=["bf16/llama.cpp"], candidates=names, max_new_tokens=24)
+    cfg.model = SPEC
+    result = run_audit(cfg, out, load=lambda d, a: embedded, progress=False)
+    assert result["new_records"] == result["planned_records"] == 2 * len(names)
+    records, info = load_run(out)
+    assert info["environment"]["llama_server"].startswith("version")
+    from lossless.text import encode_prompt
+
+    for r in records:
+        ids = encode_prompt(embedded.tokenizer, REPEATING[int(r["prompt_id"][1:])])
+        # the reference is llama.cpp's own greedy decoding of the same prompt ids
+        assert r["ar_ids"] == llamacpp.server(SPEC, "bf16", llamacpp.GREEDY, THREADS).decode(ids, 24).ids
+        assert r["attn"] == r["reference_attn"] == "llama.cpp" and r["candidate"] in names
+        assert r["exact_match"] == (r["orthrus_ids"] == r["ar_ids"]) and r["orthrus_seconds"] > 0
+    summary = write_report(out, html=False)
+    assert {c["candidate"] for c in summary["configs"]} == set(names)
+    assert all(c["speed_vs_ar"]["n"] == 2 for c in summary["configs"])
+    again = run_audit(cfg, out, load=lambda d, a: embedded, progress=False)
+    assert again["new_records"] == 0  # resumes: nothing decoded twice
