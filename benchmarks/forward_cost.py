@@ -17,8 +17,8 @@ decoder layers unfused, for the split inside them) and the fused forward of the 
 Each forward's row says which kernels ran it (`variant`: stock; or exact mode's variant and, in bf16, whether
 its matrix products ran on AMX tiles, as dot products or as widened fmas).
 
-Bigger models, by simulation: `--model random:qwen3-0.6b` (or `random:qwen3-1.7b`) times a backbone of that model's
-shapes (hidden size, layers, heads, kv heads, head dim, MLP width, vocabulary, tied embeddings) with random
+Bigger models, by simulation: `--model random:qwen3-0.6b` (or `random:llama-3.2-1b`, `random:qwen3-1.7b`) times a
+backbone of that model's shapes (hidden size, layers, heads, kv heads, head dim, MLP width, vocabulary, tied embeddings) with random
 weights (seeded), which costs what the real model costs: a forward's time depends on the shapes only. With
 `--tokens-per-cycle T` (tokens a cycle commits, measured on the real model by `speed.py`) it also prints the
 speed-up over AR that the cycle would give at these costs: T x step / (draft pass + verify), for the chain
@@ -177,30 +177,42 @@ def forwards(model, cache, n: int, fused: list[tuple[int, int]]) -> dict[str, tu
     return calls
 
 
-# the shapes of public checkpoints (their config.json), for `--model random:NAME`
+# the shapes of public checkpoints (their config.json), for `--model random:NAME`: architecture and shapes
 SHAPES = {
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                                 rope_theta=1_000_000.0, rms_norm_eps=1e-6)),
+    "llama-3.2-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                                   num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                                   rope_theta=500_000.0, rms_norm_eps=1e-5)),
+    "qwen3-1.7b": ("qwen3", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                                 rope_theta=1_000_000.0, rms_norm_eps=1e-6)),
 }
 
 
-def random_model(name: str, dtype: str, attn: str, k: int = 8):
-    """An Orthrus model on a random-weight Qwen3 backbone of a public checkpoint's shapes (seeded: the same
-    weights for every kernel), with an untrained head of block size k."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def random_backbone(name: str, dtype: str):
+    """A random-weight Hugging Face backbone of a public checkpoint's shapes (seeded: the same weights every time;
+    Llama 3.2's rope scaling left out: it changes no cost)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from lossless.decoding.model import OrthrusLM
     from lossless.dtypes import dtype_name, torch_dtype
 
     if name not in SHAPES:
         raise LosslessError(f"no shapes for random:{name}; choose from {', '.join('random:' + s for s in SHAPES)}")
+    arch, shapes = SHAPES[name]
+    config_class, causal = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
     torch.manual_seed(0)
-    config = Qwen3Config(**SHAPES[name], max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+    config = config_class(**shapes, max_position_embeddings=40960)
     config._attn_implementation = "sdpa"
-    backbone = Qwen3ForCausalLM(config).to(torch_dtype(dtype_name(dtype))).eval()
-    model = OrthrusLM(backbone, k=k, name=f"random:{name}")
+    return causal(config).to(torch_dtype(dtype_name(dtype))).eval()
+
+
+def random_model(name: str, dtype: str, attn: str, k: int = 8):
+    """An Orthrus model on `random_backbone(name)`, with an untrained head of block size k."""
+    from lossless.decoding.model import OrthrusLM
+
+    model = OrthrusLM(random_backbone(name, dtype), k=k, name=f"random:{name}")
     model.set_attn(attn)
     return model
 

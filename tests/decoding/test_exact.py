@@ -375,6 +375,24 @@ def test_unpacking_a_packed_weight_gives_it_back_bit_for_bit(dtype, n, k, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 120), k=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_packing_chunk_by_chunk_gives_the_panels_and_says_which_rows_it_read(dtype, n, k, seed):
+    """Panels written PACK_PANELS at a time (here 2: several chunks) are the whole weight's; `consumed` reports
+    every row once, in order, so a caller dropping those pages never drops one still to be read."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    before = kernels.PACK_PANELS
+    spans = []
+    try:
+        kernels.PACK_PANELS = 2
+        packed = kernels.pack_weight(w, lambda r0, r1: spans.append((r0, r1)))
+    finally:
+        kernels.PACK_PANELS = before
+    assert torch.equal(packed, kernels.pack_weight(w)) and torch.equal(kernels.unpack_weight(packed, n, k), w)
+    assert spans[0][0] == 0 and spans[-1][1] == n and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @settings(max_examples=30, deadline=None)
 @given(n=st.integers(1, 70), k=st.integers(1, 70), shape=st.sampled_from([(5,), (1, 7), (2, 3), (0,)]),
        seed=st.integers(0, 2**16))

@@ -131,3 +131,37 @@ def test_audit_of_llama_cpp_against_its_own_greedy(server_binary, embedded, tmp_
     assert all(c["speed_vs_ar"]["n"] == 2 for c in summary["configs"])
     again = run_audit(cfg, out, load=lambda d, a: embedded, progress=False)
     assert again["new_records"] == 0  # resumes: nothing decoded twice
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_model_written_as_gguf_decodes_in_llama_cpp_as_in_torch(server_binary, family, tmp_path):
+    """write_gguf's layout (names, the Llama rotary row order, tied embeddings, Qwen3's q/k norms): llama.cpp's
+    greedy tokens and log-probabilities of an fp32 model are torch's, up to llama.cpp's fp16 cache."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config, causal = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+    torch.manual_seed(0)
+    model = causal(config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=32, vocab_size=256, max_position_embeddings=512,
+                          tie_word_embeddings=family == "qwen3")).float().eval()
+    with torch.no_grad():  # weights far from init's scale, so the top tokens are well apart
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    path = llamacpp.write_gguf(model, tmp_path / f"{family}.gguf")
+    server = llamacpp.Server(server_binary, path, 1).start()
+    try:
+        prompt = [5, 17, 99, 3, 42, 7]
+        theirs = server.decode(prompt, 6)
+    finally:
+        server.close()
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        for i, token in enumerate(theirs.ids):
+            logp = torch.log_softmax(model(x).logits[0, -1].double(), -1)
+            top = torch.topk(logp, 2)
+            assert abs(theirs.tops[i][0][1] - float(top.values[0])) < 0.02
+            if int(top.indices[0]) != token:  # only where torch's top two are within the cache's rounding
+                assert float(top.values[0] - top.values[1]) < 0.02
+                break
+            x = torch.cat([x, torch.tensor([[token]])], 1)
+    assert len(theirs.ids) == 6 and i >= 1

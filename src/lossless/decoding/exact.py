@@ -171,11 +171,21 @@ class PackedLinearMixin:
         """The weight in `kernels.linear`'s layout, packed again if the weight tensor changed."""
         if self.released():
             return self._lossless_packed
-        w = self.weight
-        stamp = (w.data_ptr(), w._version, w.dtype)
-        if getattr(self, "_lossless_stamp", None) != stamp:
-            self._lossless_packed, self._lossless_stamp = kernels.pack_weight(w), stamp
+        if not self.packed_now():
+            self.pack()
         return self._lossless_packed
+
+    def _stamp(self) -> tuple:
+        w = self.weight
+        return w.data_ptr(), w._version, w.dtype
+
+    def packed_now(self) -> bool:
+        """Whether the panels hold the weight as it is now."""
+        return getattr(self, "_lossless_stamp", None) == self._stamp()
+
+    def pack(self, consumed=None) -> None:
+        """Pack the weight into panels (`kernels.pack_weight`, `consumed` passed on)."""
+        self._lossless_packed, self._lossless_stamp = kernels.pack_weight(self.weight, consumed), self._stamp()
 
 
 class PanelRowsMixin:
@@ -564,15 +574,19 @@ def release_frozen_weights(backbone: torch.nn.Module) -> int:
             if w.requires_grad or w.device.type != "cpu" or len(tied) != len(others) or len(others) > 1:
                 continue
             start, end = w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()
+            if any(a <= start and end <= b for a, b in mapped) and not module.packed_now():
+                # read from a mapped checkpoint: its pages go as packing passes them, so the weight and its panels
+                # are never both whole in memory (an LM head of 150,000 tokens would hold 300 MB twice)
+                row = w.shape[1] * w.element_size()
+                module.pack(lambda r0, r1: _drop_file_pages(start + r0 * row, start + r1 * row, mapped))
             module.release_weight()
             for embedding in tied:
                 swap_class(embedding, PanelRowsMixin)
                 embedding.__dict__["_lossless_rows_of"] = module  # not a submodule: no second owner of it
                 embedding.weight = module.weight  # the meta placeholder
             _drop_file_pages(start, end, mapped)
+            _return_freed_memory()  # each time: glibc would keep the packing's freed chunks, and the peak grows
             released += 1
-    if released:
-        _return_freed_memory()
     return released
 
 

@@ -279,11 +279,13 @@ _PARITY = [2, 0, 3, 1]
 _NATURAL = [1, 3, 0, 2]
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor, consumed=None) -> torch.Tensor:
     """weight [n, k] -> panels of 16 outputs (outputs past n are zeros), the layout `linear` reads: fp32 and fp16
     [ceil(n/16), k, 16], one input's 16 weights side by side, so each output is one fma chain over its inputs in
     order; bf16 [ceil(n/16), kp/2, 32] with k padded to kp, a multiple of 32, by zero inputs: 32-bit pairs of inputs
-    of one parity (see exact_isa.h), the layout of the order AMX computes, an even and an odd chain per chunk of 32."""
+    of one parity (see exact_isa.h), the layout of the order AMX computes, an even and an odd chain per chunk of 32.
+    `consumed(r0, r1)`, where given, is called once rows r0..r1-1 of `weight` are no longer read (its caller may
+    then drop their pages)."""
     n, k = weight.shape
     pairs = weight.dtype == torch.bfloat16
     kp = -(-k // CHUNK) * CHUNK if pairs else k
@@ -292,11 +294,32 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     else:
         padded = torch.zeros((n + PANEL - 1) // PANEL * PANEL, kp, dtype=weight.dtype, device=weight.device)
         padded[:n, :k] = weight.detach()
+        if consumed is not None:
+            consumed(0, n)
+            consumed = None
     panels = padded.view(-1, PANEL, kp)  # [p, 16, kp]
+    count = panels.shape[0]
+
+    def done(c: int) -> None:
+        if consumed is not None:
+            consumed(c * PANEL, min(n, (c + PACK_PANELS) * PANEL))
+    # written PACK_PANELS panels at a time into the result, so packing holds the weight, the panels and one
+    # chunk's temporaries (not two whole copies beside them: an LM head of 150,000 tokens is 300 MB in bf16)
     if not pairs:
-        return panels.transpose(1, 2).contiguous()  # [p, k, 16]
-    groups = panels.view(-1, PANEL, kp // 4, 4)[..., _PARITY]  # [p, 16, groups, 4] in memory order
-    return groups.view(-1, PANEL, kp // 4, 2, 2).permute(0, 2, 3, 1, 4).reshape(-1, kp // 2, 2 * PANEL).contiguous()
+        out = torch.empty(count, kp, PANEL, dtype=weight.dtype, device=weight.device)  # [p, k, 16]
+        for c in range(0, count, PACK_PANELS):
+            out[c:c + PACK_PANELS] = panels[c:c + PACK_PANELS].transpose(1, 2)
+            done(c)
+        return out
+    out = torch.empty(count, kp // 2, 2 * PANEL, dtype=weight.dtype, device=weight.device)
+    for c in range(0, count, PACK_PANELS):
+        groups = panels[c:c + PACK_PANELS].reshape(-1, PANEL, kp // 4, 4)[..., _PARITY]  # [p, 16, groups, 4]
+        out[c:c + PACK_PANELS] = groups.view(-1, PANEL, kp // 4, 2, 2).permute(0, 2, 3, 1, 4).reshape(-1, kp // 2, 2 * PANEL)
+        done(c)
+    return out
+
+
+PACK_PANELS = 256  # panels `pack_weight` lays out at a time (4,096 outputs)
 
 
 def _bf16_inputs(pairs: torch.Tensor) -> torch.Tensor:

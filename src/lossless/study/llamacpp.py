@@ -215,6 +215,7 @@ class Decoded:
     seconds: float
     drafted: int | None = None
     accepted: int | None = None
+    decode_seconds: float = 0.0  # the tokens after the first, prefill excluded (llama.cpp's "predicted" time)
 
     def log_ppl(self) -> float | None:
         """Mean negative log-probability of the chosen tokens (the response's log perplexity under llama.cpp)."""
@@ -264,11 +265,13 @@ class Server:
             return "no log"
         return lines[-1] if lines else "no output"
 
-    def decode(self, ids: list[int], max_new_tokens: int) -> Decoded:
+    def decode(self, ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> Decoded:
+        """Greedy decoding of `max_new_tokens` after the prompt `ids` (fewer where an end-of-generation token comes
+        first, unless `ignore_eos`)."""
         if self.proc is None:
             self.start()
         body = {"prompt": list(ids), "n_predict": max_new_tokens, "temperature": 0.0, "cache_prompt": False,
-                "return_tokens": True, "n_probs": 2, "stream": False}
+                "return_tokens": True, "n_probs": 2, "stream": False, "ignore_eos": ignore_eos}
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         try:
@@ -285,7 +288,18 @@ class Server:
         margins = [top[0][1] - top[1][1] if len(top) > 1 else float("inf") for top in tops]
         timings = out.get("timings", {})
         seconds = (timings.get("prompt_ms", 0.0) + timings.get("predicted_ms", 0.0)) / 1000.0
-        return Decoded(tokens, tops, margins, seconds, timings.get("draft_n"), timings.get("draft_n_accepted"))
+        return Decoded(tokens, tops, margins, seconds, timings.get("draft_n"), timings.get("draft_n_accepted"),
+                       timings.get("predicted_ms", 0.0) / 1000.0)
+
+    def peak_mib(self) -> float | None:
+        """The server's peak resident memory so far (MiB; None where /proc cannot tell)."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM"):
+                    return int(line.split()[1]) / 1024
+        except (OSError, AttributeError):
+            pass
+        return None
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -372,3 +386,92 @@ if __name__ == "__main__":  # `make llama-server`: build (or find) this CPU's ll
     except LosslessError as exc:
         print(f"lossless: error: {exc}", file=sys.stderr)
         sys.exit(2)
+
+
+# ------------------------------------------------------------------------------------ a model as GGUF
+# Hugging Face parameter names of a Llama or Qwen3 decoder layer -> llama.cpp's tensor names
+LAYER_TENSORS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                 "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
+                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3"}  # config.model_type -> llama.cpp's architecture
+
+
+def _rope_rows(w, heads: int):
+    """llama.cpp's row order of a Llama q or k projection: its rotary pairs (i, i + d/2) of each head as
+    neighbours (2i, 2i + 1), the order Meta's checkpoints had (Qwen3's rotary takes the halves, as HF does)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(backbone, path: str | Path) -> Path:
+    """The Hugging Face Llama or Qwen3 causal LM `backbone` as a GGUF file llama.cpp loads, with the same weights
+    bit for bit in the backbone's dtype (norms in fp32, as llama.cpp keeps them) and a placeholder vocabulary of
+    the model's size (token i is `<i>`: callers give token ids). Written aside, then renamed."""
+    import gguf
+    import numpy as np
+    import torch
+
+    cfg = backbone.config
+    arch = ARCHITECTURES.get(cfg.model_type)
+    if arch is None:
+        raise LosslessError(f"write_gguf: no llama.cpp layout for {cfg.model_type}; choose from {', '.join(ARCHITECTURES)}")
+    kinds = {torch.bfloat16: (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+             torch.float16: (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
+             torch.float32: (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32)}
+    qtype, ftype = kinds[backbone.dtype]
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    w = gguf.GGUFWriter(str(partial), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_file_type(ftype)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([f"<{i}>" for i in range(cfg.vocab_size)])
+    w.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
+    w.add_token_merges(["<0> <1>"])  # llama.cpp needs the key; no text is ever tokenized
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+
+    def add(name: str, t, norm: bool = False):
+        t = t.detach().cpu()
+        if norm or t.dim() == 1:
+            w.add_tensor(name, t.float().numpy())
+        elif qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, t.float().numpy())
+        else:  # the two-byte values as they are, as bytes
+            w.add_tensor(name, t.contiguous().view(torch.int16).numpy().view(np.uint8), raw_dtype=qtype)
+
+    params = dict(backbone.named_parameters())
+    add("token_embd.weight", params["model.embed_tokens.weight"])
+    add("output_norm.weight", params["model.norm.weight"], norm=True)
+    if not cfg.tie_word_embeddings:
+        add("output.weight", params["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        for hf, name in LAYER_TENSORS.items():
+            t = params.get(f"model.layers.{i}.{hf}.weight")
+            if t is None:
+                continue
+            if arch == "llama" and name in ("attn_q", "attn_k"):
+                t = _rope_rows(t, heads if name == "attn_q" else kv)
+            add(f"blk.{i}.{name}.weight", t)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
