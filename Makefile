@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install llama-server demo test test-fast head head-data head-arms bench exact-fast study study-report study-backfill clean
+.PHONY: install llama-server demo test test-fast head head-data head-arms bench exact-fast study study-report study-llama study-backfill clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -91,6 +91,16 @@ study: $(STAMP)
 # the study's report, summary and plots, rebuilt from its committed records only
 study-report: $(STAMP)
 	$(BIN)/lossless report results/full-study --at-rest
+
+# llama.cpp in the study (results/llama-cpp-study/README.md): its speculative modes against its own greedy decoding
+# of the embedded GGUF requantized to bf16, then fp32, over the whole suite at one thread (resumable, days of one
+# core); its report also compares llama.cpp's AR with the full study's fp32 AR
+LLAMA_MODES := ngram-simple ngram-map-k ngram-map-k4v ngram-mod ngram-cache draft
+LLAMA_CANDIDATES := $(subst $(eval) ,$(comma),$(addprefix llama.cpp-,$(LLAMA_MODES)))
+study-llama: llama-server
+	OMP_NUM_THREADS=1 $(BIN)/lossless audit --suite suites/default.jsonl --configs bf16/llama.cpp,fp32/llama.cpp \
+		--candidates $(LLAMA_CANDIDATES) --max-new-tokens 128 --out results/llama-cpp-study --no-progress
+	$(BIN)/lossless report results/llama-cpp-study --at-rest --reference fp32/sdpa --reference-from results/full-study
 
 # top tokens at the divergence for the study's records made before audits kept them (docs/study.md): each pair
 # decoded again up to its divergence, at the thread count its records name; resumable, hours of one core

@@ -9,11 +9,11 @@ time depends on the shapes only, so these cost what the real models cost.
 
 Then, in `--repeats` rounds, each method in shuffled order and in a fresh process (so peaks do not mix):
 - `exact`, `stock`: `lossless.load_model(DIR, "bf16", attn=...)`, a warm-up decode, then greedy AR of `--tokens`
-  tokens after a 32-token prompt: tokens/s of the decode steps (a decode of N + 1 tokens minus one of 1 token, the
-  prefill), and the process's peak resident memory;
-- `llama.cpp`: llama-server (`make llama-server`) with the same threads, a warm-up request, then a greedy decode of
+  tokens after a 32-token prompt: tokens/s of the decode steps (the best of two decodes of N + 1 tokens minus the
+  best of three of 1 token, the prefill), and the process's peak resident memory;
+- `llama.cpp`: llama-server (`make llama-server`) with the same threads, a warm-up request, then greedy decodes of
   `--tokens` tokens after the same prompt ids (end-of-generation ignored): llama.cpp's own decode tokens/s (its
-  "predicted" timing, prefill excluded), and the server's peak resident memory.
+  "predicted" timing, prefill excluded; the better of two), and the server's peak resident memory.
 Prints a table per size (medians; ratios paired by round with a 95% t-interval) and, last, one JSON line.
 Nothing else may run meanwhile.
 
@@ -61,9 +61,9 @@ def run(k):
     state = decode(model, prompt, "ar", DecodeConfig(max_new_tokens=k, eos_ids=(-1,)))  # no end: each run decodes k
     assert len(state.generated) == k, (len(state.generated), k)
     return time.perf_counter() - t
-run(4)  # warm-up: exact mode packs its weights on its first forward
-prefill = min(run(1) for _ in range(2))
-whole = run(n + 1)
+run(n + 1)  # warm-up: exact mode packs its weights on its first forward, and every page is touched
+prefill = min(run(1) for _ in range(3))
+whole = min(run(n + 1) for _ in range(2))
 peak = next(int(l.split()[1]) / 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
 print(json.dumps({"tokens_per_s": n / (whole - prefill), "peak_mib": peak}))
 """
@@ -96,8 +96,8 @@ def ours(path: Path, attn: str, threads: int, tokens: int) -> dict:
 def llama(path: Path, threads: int, tokens: int) -> dict:
     server = llamacpp.Server(llamacpp.require_server(), path / "model.gguf", threads).start()
     try:
-        server.decode(PROMPT, 4, ignore_eos=True)  # warm-up
-        d = server.decode(PROMPT, tokens, ignore_eos=True)
+        server.decode(PROMPT, tokens, ignore_eos=True)  # warm-up, as for ours
+        d = min((server.decode(PROMPT, tokens, ignore_eos=True) for _ in range(2)), key=lambda d: d.decode_seconds)
         return {"tokens_per_s": len(d.ids) / d.decode_seconds, "peak_mib": server.peak_mib()}
     finally:
         server.close()

@@ -39,6 +39,10 @@ NOT_RUN = {
     "pip download llama-cpp-python": "fetches llama.cpp's sources for llama-server, an optional peer of serve_load.py",
     "tar xzf llama_cpp_python": "unpacks those sources",
     "cmake ": "builds llama-server from those sources for minutes: never built for tests",
+    "lossless audit --configs bf16/llama.cpp": "decodes with llama.cpp's server on the embedded model's GGUF (not the "
+                                               "tiny model): tests/study/test_llamacpp.py runs such an audit",
+    "lossless report runs/llama ": "reports that audit: tests/study/test_llamacpp.py reports one, and one against "
+                                   "another run's reference (--reference-from)",
 }
 
 FENCE = re.compile(r"^(\s*)(```|~~~)(.*)$")
@@ -170,9 +174,11 @@ def collect() -> tuple[list[Command], list[tuple[str, int, str]]]:
     for doc in DOC_FILES:
         rel = str(doc.relative_to(ROOT))
         for line, text in _shell_lines(doc):
+            if any(text.startswith(p) for p in NOT_RUN):
+                continue
             if text.startswith("lossless "):
                 commands.append(Command(rel, line, text))
-            elif not text.startswith("#") and not any(text.startswith(p) for p in NOT_RUN):
+            elif not text.startswith("#"):
                 strays.append((rel, line, text))
     return commands, strays
 
