@@ -12,8 +12,9 @@ Then, in `--repeats` rounds, each method in shuffled order and in a fresh proces
   tokens after a 32-token prompt: tokens/s of the decode steps (the best of two decodes of N + 1 tokens minus the
   best of three of 1 token, the prefill), and the process's peak resident memory;
 - `llama.cpp`: llama-server (`make llama-server`) with the same threads, a warm-up request, then greedy decodes of
-  `--tokens` tokens after the same prompt ids (end-of-generation ignored): llama.cpp's own decode tokens/s (its
-  "predicted" timing, prefill excluded; the better of two), and the server's peak resident memory.
+  `--tokens` tokens after the same prompt ids (end-of-generation ignored): llama.cpp's own decode time (its
+  "predicted" timing, from the first token to the last, so N - 1 forwards; the better of two), and the server's
+  peak resident memory.
 Prints a table per size (medians; ratios paired by round with a 95% t-interval) and, last, one JSON line.
 Nothing else may run meanwhile.
 
@@ -89,16 +90,18 @@ def ours(path: Path, attn: str, threads: int, tokens: int) -> dict:
     done = subprocess.run([sys.executable, "-c", OURS, str(path), attn, str(threads), str(tokens), json.dumps(PROMPT)],
                           capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        raise SystemExit(f"{attn} on {path.name} failed: {done.stderr.strip().splitlines()[-1:]}")
+        raise SystemExit(f"{attn} on {path.name} failed: {' '.join(done.stderr.strip().splitlines()[-1:])}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def llama(path: Path, threads: int, tokens: int) -> dict:
-    server = llamacpp.Server(llamacpp.require_server(), path / "model.gguf", threads).start()
+    server = llamacpp.Server(llamacpp.require_server(), path / "model.gguf", threads)
     try:
+        server.start()
         server.decode(PROMPT, tokens, ignore_eos=True)  # warm-up, as for ours
         d = min((server.decode(PROMPT, tokens, ignore_eos=True) for _ in range(2)), key=lambda d: d.decode_seconds)
-        return {"tokens_per_s": len(d.ids) / d.decode_seconds, "peak_mib": server.peak_mib()}
+        # llama.cpp's decode time runs from its first token to its last: one forward fewer than tokens
+        return {"tokens_per_s": (len(d.ids) - 1) / d.decode_seconds, "peak_mib": server.peak_mib()}
     finally:
         server.close()
 

@@ -4,7 +4,7 @@ the ones `lossless` loads), from the same prompt token ids (the same chat templa
 
 Optional: `available()` is False where `llama_cpp` does not import. Install it with `pip install .[peers]`
 (built from source; `CMAKE_ARGS="-DGGML_NATIVE=ON"` builds for this CPU, see docs/speed.md). The GGUF files
-come from `lossless.llamacpp`, which the audit's llama.cpp candidates share.
+come from `lossless.study.llamacpp`, which the audit's llama.cpp candidates share.
 """
 
 from __future__ import annotations

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -60,16 +59,15 @@ SLOT_CONTEXT = 1024  # llama-server's context per slot: a held-out prompt and it
 
 def start_llama_server(args, port: int, log, options: str) -> subprocess.Popen:
     """llama.cpp's own server on the embedded GGUF requantized to the run's dtype by the same build."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import peers
+    from lossless.errors import LosslessError
+    from lossless.study import llamacpp
 
-    binary = Path(args.llama_server or shutil.which("llama-server") or "llama-server").expanduser()
-    if not binary.is_file():
-        raise SystemExit(f"no llama-server binary at {binary}: build it as docs/serving.md says and pass "
-                         f"--llama-server PATH")
-    quantize = binary.with_name("llama-quantize")
     dtype = "bf16" if args.dtype == "auto" else args.dtype
-    gguf = peers.requantized(args.model, dtype, quantize=quantize if quantize.is_file() else None)
+    try:  # the binary --llama-server names, else $LLAMA_SERVER, `make llama-server`'s build or PATH's
+        binary = llamacpp.require_server(args.llama_server)
+        gguf = llamacpp.server_gguf(args.model, dtype, binary)
+    except LosslessError as exc:
+        raise SystemExit(f"serve_load: {exc}") from None
     opts = options.split()
     flag = next((f for f in ("-np", "--parallel") if f in opts), None)
     slots = int(opts[opts.index(flag) + 1]) if flag else 1
@@ -209,7 +207,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="each server's torch threads (llama-server's threads)")
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
                         help="the llama-server binary of a configuration 'llama-server ...' (default: $LLAMA_SERVER, "
-                             "else llama-server on PATH); its build's llama-quantize requantizes the GGUF")
+                             "else `make llama-server`'s build, else llama-server on PATH); its build's llama-quantize "
+                             "requantizes the GGUF")
     args = parser.parse_args()
     import random
 

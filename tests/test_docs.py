@@ -38,7 +38,7 @@ NOT_RUN = {
     "CMAKE_ARGS=": "builds llama.cpp from source for minutes: an optional peer of the speed benchmark, never installed for tests",
     "pip download llama-cpp-python": "fetches llama.cpp's sources for llama-server, an optional peer of serve_load.py",
     "tar xzf llama_cpp_python": "unpacks those sources",
-    "cmake ": "builds llama-server from those sources for minutes: never built for tests",
+    "cmake ": "builds llama-server from those sources for minutes (`make llama-server` does the same, once per CPU)",
     "lossless audit --configs bf16/llama.cpp": "decodes with llama.cpp's server on the embedded model's GGUF (not the "
                                                "tiny model): tests/study/test_llamacpp.py runs such an audit",
     "lossless report runs/llama ": "reports that audit: tests/study/test_llamacpp.py reports one, and one against "

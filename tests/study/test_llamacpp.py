@@ -6,6 +6,7 @@ PATH, or the cached build `make llama-server` makes) they skip, except where LOS
 builds one): there they fail."""
 
 import json
+import math
 import os
 
 import pytest
@@ -73,6 +74,12 @@ def test_reference_trajectories_from_another_run(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- with a server
+@pytest.fixture(scope="module", autouse=True)
+def no_server_outlives_the_module():
+    yield
+    llamacpp.close_all()
+
+
 @pytest.fixture(scope="module")
 def server_binary():
     found = llamacpp.find_server()
@@ -104,6 +111,10 @@ def test_llama_cpp_greedy_takes_its_top_token_and_its_modes_draft(server_binary,
     assert again.ids == plain.ids  # no prompt reuse: the same request decodes the same tokens
     lookup = llamacpp.server(SPEC, "bf16", "ngram-simple", THREADS).decode(ids, 40)
     assert lookup.drafted and lookup.drafted > 0  # the mode speculates: its drafts are verified in batches
+    # the server gives no probabilities for tokens of a verified batch: those have no top two and no margin
+    # (recorded as unknown, never as a made-up value), while plain decoding has them for every token
+    assert [t is None for t in lookup.tops] == [m is None for m in lookup.margins]
+    assert all(t is not None for t in plain.tops)
 
 
 def test_audit_of_llama_cpp_against_its_own_greedy(server_binary, embedded, tmp_path):
@@ -124,8 +135,11 @@ def test_audit_of_llama_cpp_against_its_own_greedy(server_binary, embedded, tmp_
         ids = encode_prompt(embedded.tokenizer, REPEATING[int(r["prompt_id"][1:])])
         # the reference is llama.cpp's own greedy decoding of the same prompt ids
         assert r["ar_ids"] == llamacpp.server(SPEC, "bf16", llamacpp.GREEDY, THREADS).decode(ids, 24).ids
-        assert r["attn"] == r["reference_attn"] == "llama.cpp" and r["candidate"] in names
-        assert r["exact_match"] == (r["orthrus_ids"] == r["ar_ids"]) and r["orthrus_seconds"] > 0
+        assert r["attn"] == r["reference_attn"] == "llama.cpp" and r["candidate"] in names and r["orthrus_seconds"] > 0
+        assert len(r["ar_margins"]) == len(r["ar_ids"]) and all(m >= 0 for m in r["ar_margins"])
+        if not r["exact_match"]:  # where they part, the reference's own top two say how near a tie it was
+            assert r["ref_margin_at_divergence"] is not None and len(r["ref_top_at_divergence"]) == 2
+        assert r["orthrus_margin_at_divergence"] is None or math.isfinite(r["orthrus_margin_at_divergence"])
     summary = write_report(out, html=False)
     assert {c["candidate"] for c in summary["configs"]} == set(names)
     assert all(c["speed_vs_ar"]["n"] == 2 for c in summary["configs"])
@@ -151,7 +165,7 @@ def test_a_model_written_as_gguf_decodes_in_llama_cpp_as_in_torch(server_binary,
     server = llamacpp.Server(server_binary, path, 1).start()
     try:
         prompt = [5, 17, 99, 3, 42, 7]
-        theirs = server.decode(prompt, 6)
+        theirs = server.decode(prompt, 6, ignore_eos=True)
     finally:
         server.close()
     x = torch.tensor([prompt])
@@ -164,4 +178,34 @@ def test_a_model_written_as_gguf_decodes_in_llama_cpp_as_in_torch(server_binary,
                 assert float(top.values[0] - top.values[1]) < 0.02
                 break
             x = torch.cat([x, torch.tensor([[token]])], 1)
-    assert len(theirs.ids) == 6 and i >= 1
+    assert len(theirs.ids) == 6 and i >= 2
+
+
+def test_a_bf16_model_written_as_gguf_holds_its_weights_bit_for_bit(tmp_path):
+    """The GGUF's tensors are the model's bf16 values as they are (read back with gguf's own reader), the Llama q/k
+    rows in llama.cpp's rotary order; a model with something the layout has no place for is refused."""
+    import gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=128, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    reader = gguf.GGUFReader(llamacpp.write_gguf(model, tmp_path / "m.gguf"))
+    tensors = {t.name: t for t in reader.tensors}
+    params = dict(model.named_parameters())
+
+    def bits(name):
+        return torch.from_numpy(tensors[name].data.copy()).view(torch.int16).reshape(-1)
+
+    assert torch.equal(bits("token_embd.weight"), params["model.embed_tokens.weight"].view(torch.int16).reshape(-1))
+    assert torch.equal(bits("output.weight"), params["lm_head.weight"].view(torch.int16).reshape(-1))
+    assert torch.equal(bits("blk.1.ffn_down.weight"), params["model.layers.1.mlp.down_proj.weight"].view(torch.int16).reshape(-1))
+    q = params["model.layers.0.self_attn.q_proj.weight"]
+    rotated = q.reshape(4, 2, 8, 64).transpose(1, 2).reshape(64, 64)  # each head's halves (i, i + 8) as neighbours
+    assert torch.equal(bits("blk.0.attn_q.weight"), rotated.contiguous().view(torch.int16).reshape(-1))
+    assert tensors["blk.0.attn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert len(tensors) == len(params) and not list(tmp_path.glob(".*.tmp"))
+    biased = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "attention_bias": True}))
+    with pytest.raises(LosslessError, match="biases"):
+        llamacpp.write_gguf(biased, tmp_path / "b.gguf")

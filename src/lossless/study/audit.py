@@ -267,6 +267,7 @@ def open_run(run_dir: Path, cfg: AuditConfig, planned: int, command: list[str]) 
                 f"{run_dir} was run with head {old_cfg['head_digest']}, not {cfg.head_digest}: one study keeps "
                 f"one head; pass --head with that head's directory, or choose another --out")
         check_same_run(run_dir, cfg, old)
+        check_same_llama_cpp(run_dir, cfg, old)
         if not old_cfg.get("head_digest"):
             old.setdefault("config", {})["head_digest"] = cfg.head_digest
             write_atomically(path, json.dumps(old, indent=2) + "\n")
@@ -274,13 +275,28 @@ def open_run(run_dir: Path, cfg: AuditConfig, planned: int, command: list[str]) 
     mine["suite"] = portable_path(cfg.suite)
     if cfg.head:
         mine["head"] = portable_path(cfg.head)
-    env = environment()
-    if any(attn == LLAMA_CPP for _, attn, _ in cfg.plan()):
-        env["llama_server"] = llamacpp.server_version()
-        env["llama_cpp_modes"] = {f"{LLAMA_CPP}-{mode}": " ".join(o) for mode, o in llamacpp.MODES.items()}
+    env = {**environment(), **llama_cpp_environment(cfg)}
     info = {"config": mine, "planned": planned, "environment": env, "command": command,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     write_atomically(path, json.dumps(info, indent=2) + "\n")
+
+
+def llama_cpp_environment(cfg: AuditConfig) -> dict:
+    """What a run of llama.cpp configurations depends on beside its own settings: the server's build and the
+    options of each mode ({} for runs without llama.cpp)."""
+    if not any(attn == LLAMA_CPP for _, attn, _ in cfg.plan()):
+        return {}
+    return {"llama_server": llamacpp.server_version(),
+            "llama_cpp_modes": {f"{LLAMA_CPP}-{mode}": " ".join(o) for mode, o in llamacpp.MODES.items()}}
+
+
+def check_same_llama_cpp(run_dir: Path, cfg: AuditConfig, old: dict) -> None:
+    """Refuse to resume a run of llama.cpp with another llama-server build or other mode options than its records'."""
+    mine, env = llama_cpp_environment(cfg), old.get("environment", {})
+    for key, value in mine.items():
+        if key in env and env[key] != value:
+            raise LosslessError(f"{run_dir} was decoded with {key} {env[key]!r}, not {value!r}: resume it with that "
+                                f"build (set {llamacpp.SERVER_ENV}), or choose another --out")
 
 
 _DEFAULTS = {"configs": None, "groups": None}  # fields added after the first runs: absent in old run.json means the default
@@ -343,8 +359,9 @@ def kernel_build(attn: str) -> str | None:
 
 
 def top_at(tops, i):
-    """The top tokens and logits of position `i` as records keep them (4 decimals, as the margins), or None."""
-    return [[t, round(v, 4)] for t, v in tops[i]] if tops and i is not None and i < len(tops) else None
+    """The top tokens and logits of position `i` as records keep them (4 decimals, as the margins), or None (also
+    where the decoder gave none for that token: llama.cpp's accepted drafts)."""
+    return [[t, round(v, 4)] for t, v in tops[i]] if tops and i is not None and i < len(tops) and tops[i] else None
 
 
 def pair_record(prompt: dict, prompt_ids: list[int], dtype: str, attn: str, reference_attn: str,
@@ -355,7 +372,8 @@ def pair_record(prompt: dict, prompt_ids: list[int], dtype: str, attn: str, refe
     div = first_divergence(a, o)
 
     def margin(margins, i):
-        return round(margins[i], 6) if margins is not None and i is not None and i < len(margins) else None
+        known = margins is not None and i is not None and i < len(margins) and margins[i] is not None
+        return round(margins[i], 6) if known and math.isfinite(margins[i]) else None
 
     return {
         "key": record_key(prompt["id"], dtype, attn, reference_attn, candidate), "prompt_id": prompt["id"],
@@ -373,7 +391,7 @@ def pair_record(prompt: dict, prompt_ids: list[int], dtype: str, attn: str, refe
         "reference_reused": ref.reused,
         # the reference's top-1 minus top-2 logit per token (4 decimals: bf16 steps are far coarser), so a
         # later configuration can reuse this reference and still report its margin at divergence
-        "ar_margins": [round(m, 4) for m in ref.margins],
+        "ar_margins": [None if m is None else round(m, 4) for m in ref.margins],
         "machine": machine, "head": head,
         "kernels": kernel_build(attn), "reference_kernels": kernel_build(reference_attn),
     }
@@ -484,7 +502,8 @@ def run_audit(cfg: AuditConfig, out: str | Path, shard: str | None = None, comma
             cands.check_kernel(name, attn)
     if any(attn == LLAMA_CPP for _, attn, _ in cfg.plan()):  # its server and GGUF exist before anything is written
         llamacpp.require_server()
-        llamacpp.source_gguf(cfg.model)
+        for dtype in {d for d, attn, _ in cfg.plan() if attn == LLAMA_CPP}:
+            llamacpp.server_gguf(cfg.model, dtype)
     work = plan_work(cfg, suite)
     if not work:
         raise LosslessError(f"suite {cfg.suite} is empty after filtering")
@@ -521,8 +540,14 @@ def check_requests(model: OrthrusLM, cfg: AuditConfig, prompts: list[dict]) -> N
     draft or a prompt whose response would run past the model's context."""
     from ..decoding.loop import validate
 
-    if model.tokenizer is None or not prompts or isinstance(model, llamacpp.Engine):
-        return  # llama.cpp decodes no head and checks its context itself
+    if model.tokenizer is None or not prompts:
+        return
+    if isinstance(model, llamacpp.Engine):  # no head; the server's context holds the longest prompt and its answer
+        longest = max(len(encode_prompt(model.tokenizer, p["prompt"])) for p in prompts)
+        if longest + cfg.max_new_tokens > llamacpp.CONTEXT:
+            raise LosslessError(f"llama.cpp's server holds {llamacpp.CONTEXT} tokens: the longest prompt ({longest}) "
+                                f"and --max-new-tokens {cfg.max_new_tokens} do not fit; lower --max-new-tokens")
+        return
     longest = max((encode_prompt(model.tokenizer, p["prompt"]) for p in prompts), key=len)
     cycles = {"fused" if n == "orthrus-fused" else "two-pass" for n in cfg.candidates}
     for cycle in sorted(cycles):

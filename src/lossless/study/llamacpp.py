@@ -36,6 +36,9 @@ from ..paths import cache_dir
 SERVER_ENV = "LLAMA_SERVER"
 CONTEXT = 4096  # the server's context: a suite prompt and its 128-token answer fit many times over
 START_SECONDS = 300.0  # a server that does not answer /health by then is stuck
+# greedy: temperature 0 (llama.cpp then takes the most probable token), every sampler that could change that off
+GREEDY_SAMPLING = {"temperature": 0.0, "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                   "dry_multiplier": 0.0}
 
 # the dtype -> (llama-cpp-python's file type constant, file suffix, llama-quantize's type name)
 FILE_TYPES = {"bf16": ("LLAMA_FTYPE_MOSTLY_BF16", "bf16", "BF16"), "fp16": ("LLAMA_FTYPE_MOSTLY_F16", "f16", "F16"),
@@ -96,9 +99,12 @@ def requantized(spec: str, dtype: str, quantize: str | Path | None = None) -> Pa
         if done.returncode != 0:
             partial.unlink(missing_ok=True)
             raise LosslessError(f"{quantize} could not requantize {source} to {dtype}: "
-                                f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+                                f"{' '.join((done.stderr or done.stdout).strip().splitlines()[-1:])}")
         partial.replace(target)
         return target
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise LosslessError(f"requantizing {source.name} to {dtype} needs llama.cpp's llama-quantize beside its "
+                            "llama-server (make llama-server builds both) or llama-cpp-python (pip install .[peers])")
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
@@ -138,21 +144,35 @@ def cached_build() -> Path:
 def build(jobs: int | None = None) -> Path:
     """Build llama.cpp's llama-server and llama-quantize from the pinned release's sources (PyPI's sdist of
     llama-cpp-python), for this CPU, once: about 7 minutes on 2 cores. Needs cmake, ninja and a C++ compiler.
-    Returns the server binary. An interrupted build is started again from scratch."""
-    import sys
+    Returns the server binary. An interrupted build is started again from scratch; a second process waits."""
+    from ..decoding.kernels import _ninja_dir
+    from ..paths import exclusive_lock
 
     here = build_dir()
     if (here / BUILT).is_file() and cached_build().is_file():
         return cached_build()
-    if here.exists():
-        shutil.rmtree(here)
-    here.mkdir(parents=True)
-    for tool in ("cmake", "ninja"):
-        if shutil.which(tool) is None:
-            raise LosslessError(f"building llama.cpp needs {tool}: apt-get install {tool}, or pip install {tool}")
+    ninja = _ninja_dir()  # pip's ninja (a dependency) where the system has none
+    env = {**os.environ, "PATH": os.pathsep.join(filter(None, [ninja, os.environ.get("PATH", "")]))}
+    for tool in ("cmake", "ninja", "c++"):
+        if shutil.which(tool, path=env["PATH"]) is None:
+            raise LosslessError(f"building llama.cpp needs {tool}: apt-get install {'g++' if tool == 'c++' else tool}")
+    here.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(here.parent / f".lock-{here.name}", "another process is building llama.cpp here (pid {pid}): "
+                                                             "wait for it"):
+        if (here / BUILT).is_file() and cached_build().is_file():
+            return cached_build()
+        if here.exists():
+            shutil.rmtree(here)
+        here.mkdir(parents=True)
+        _build_in(here, jobs, env)
+    return cached_build()
+
+
+def _build_in(here: Path, jobs: int | None, env: dict) -> None:
+    import sys
 
     def run(cmd, cwd=here):
-        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
             raise LosslessError(f"building llama.cpp failed at `{' '.join(map(str, cmd[:3]))} ...`: {' | '.join(tail)}")
@@ -164,20 +184,20 @@ def build(jobs: int | None = None) -> Path:
     run(["cmake", "-S", str(source), "-B", str(here / "build"), "-G", "Ninja", *CMAKE_OPTIONS])
     run(["cmake", "--build", str(here / "build"), "-j", str(jobs or os.cpu_count() or 1), "--target", "llama-server",
          "llama-quantize"])
-    (here / BUILT).write_text(server_version(cached_build()) + "\n")
-    return cached_build()
+    (here / BUILT).write_text(server_version(here / "build" / "bin" / "llama-server") + "\n")
 
 
 def find_server(path: str | Path | None = None) -> Path | None:
-    """The llama-server binary: `path`, else $LLAMA_SERVER, else on PATH, else the cached build; None if none."""
+    """The llama-server binary: `path`, else $LLAMA_SERVER, else this CPU's build of the pinned release
+    (`make llama-server`), else one on PATH; None if none."""
     named = path or os.environ.get(SERVER_ENV)
     if named:
         p = Path(named).expanduser()
-        return p if p.is_file() else None
+        return p.resolve() if p.is_file() else None
+    if cached_build().is_file() and (build_dir() / BUILT).is_file():
+        return cached_build()
     found = shutil.which("llama-server")
-    if found:
-        return Path(found)
-    return cached_build() if cached_build().is_file() and (build_dir() / BUILT).is_file() else None
+    return Path(found).resolve() if found else None
 
 
 def require_server(path: str | Path | None = None) -> Path:
@@ -195,14 +215,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: a SIGKILLed audit takes its servers with it (Linux's parent-death signal)."""
+def _prctl():
+    """The C library's prctl, looked up in the parent (nothing may load a library between fork and exec)."""
     try:
         import ctypes
 
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        return ctypes.CDLL(None).prctl
     except (OSError, AttributeError):
-        pass
+        return None
+
+
+_PRCTL = _prctl()
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child before exec: a SIGKILLed audit takes its servers with it (Linux's parent-death signal; a
+    parent already gone by then is caught by the pid check)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 @dataclass
@@ -211,7 +243,7 @@ class Decoded:
     top two [[id, log-probability], ...] and top-1 minus top-2, and llama.cpp's own time (prefill + decode)."""
     ids: list[int]
     tops: list[list[list]]
-    margins: list[float]
+    margins: list[float | None]
     seconds: float
     drafted: int | None = None
     accepted: int | None = None
@@ -219,7 +251,7 @@ class Decoded:
 
     def log_ppl(self) -> float | None:
         """Mean negative log-probability of the chosen tokens (the response's log perplexity under llama.cpp)."""
-        chosen = [next((lp for t, lp in top if t == i), None) for i, top in zip(self.ids, self.tops)]
+        chosen = [next((lp for t, lp in top or () if t == i), None) for i, top in zip(self.ids, self.tops)]
         if not chosen or any(c is None for c in chosen):
             return None
         return -sum(chosen) / len(chosen)
@@ -243,20 +275,25 @@ class Server:
         cmd = [str(self.binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
                "-t", str(self.threads), "-tb", str(self.threads), "-c", str(CONTEXT), "-np", "1", "--no-webui",
                *self.options]
+        parent = os.getpid()
         with os.fdopen(fd, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        deadline = time.monotonic() + START_SECONDS
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise LosslessError(f"llama-server exited with {self.proc.returncode} ({' '.join(self.options) or 'plain'}): "
-                                    f"{self._log_tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    return self
-            except OSError:
-                time.sleep(0.2)
-        self.close()
-        raise LosslessError(f"llama-server did not answer /health within {START_SECONDS:.0f} s: see {self.log}")
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         preexec_fn=lambda: _die_with_parent(parent))
+        try:
+            deadline = time.monotonic() + START_SECONDS
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise LosslessError(f"llama-server exited with {self.proc.returncode} "
+                                        f"({' '.join(self.options) or 'plain'}): {self._log_tail()}")
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                        return self
+                except OSError:
+                    time.sleep(0.2)
+            raise LosslessError(f"llama-server did not answer /health within {START_SECONDS:.0f} s: {self._log_tail()}")
+        except BaseException:  # a failed start, or Ctrl-C while waiting: no server and no log left behind
+            self.close()
+            raise
 
     def _log_tail(self) -> str:
         try:
@@ -270,8 +307,8 @@ class Server:
         first, unless `ignore_eos`)."""
         if self.proc is None:
             self.start()
-        body = {"prompt": list(ids), "n_predict": max_new_tokens, "temperature": 0.0, "cache_prompt": False,
-                "return_tokens": True, "n_probs": 2, "stream": False, "ignore_eos": ignore_eos}
+        body = {"prompt": list(ids), "n_predict": max_new_tokens, "cache_prompt": False, "return_tokens": True,
+                "n_probs": 2, "stream": False, "ignore_eos": ignore_eos, **GREEDY_SAMPLING}
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         try:
@@ -282,10 +319,15 @@ class Server:
             raise LosslessError(f"llama-server refused a {len(ids)}-token prompt: {detail}") from None
         except OSError as exc:
             raise LosslessError(f"llama-server stopped answering ({exc}): {self._log_tail()}") from None
+        if not isinstance(out, dict) or not isinstance(out.get("tokens"), list):
+            raise LosslessError(f"{self.binary} answered without token ids: build llama.cpp's server with "
+                                "`make llama-server` (the pinned release)")
         tokens = [int(t) for t in out["tokens"]]
         probs = out.get("completion_probabilities") or []
-        tops = [[[int(t["id"]), float(t["logprob"])] for t in p.get("top_logprobs", [])] for p in probs]
-        margins = [top[0][1] - top[1][1] if len(top) > 1 else float("inf") for top in tops]
+        # the top two log-probabilities of a token; None where the server gave none (it computes none for the
+        # drafted tokens it accepts)
+        tops = [[[int(t["id"]), float(t["logprob"])] for t in p.get("top_logprobs", [])] or None for p in probs]
+        margins = [top[0][1] - top[1][1] if top and len(top) > 1 else None for top in tops]
         timings = out.get("timings", {})
         seconds = (timings.get("prompt_ms", 0.0) + timings.get("predicted_ms", 0.0)) / 1000.0
         return Decoded(tokens, tops, margins, seconds, timings.get("draft_n"), timings.get("draft_n_accepted"),
@@ -317,6 +359,13 @@ class Server:
 _SERVERS: dict[tuple, Server] = {}
 
 
+def server_gguf(spec: str, dtype: str, binary: str | Path | None = None) -> Path:
+    """The GGUF file the server decodes: the embedded model `spec` requantized to `dtype` by the server's own
+    llama-quantize where it has one beside it."""
+    quantize = require_server(binary).with_name("llama-quantize")
+    return requantized(spec, dtype, quantize if quantize.is_file() else None)
+
+
 def server(spec: str, dtype: str, mode: str, threads: int, binary: str | Path | None = None) -> Server:
     """The running server decoding the embedded model `spec` requantized to `dtype`, plainly (`greedy`) or with a
     speculative mode of MODES; started once per process and stopped when it exits."""
@@ -325,8 +374,7 @@ def server(spec: str, dtype: str, mode: str, threads: int, binary: str | Path | 
     exe = require_server(binary)
     key = (spec, dtype, mode, threads, str(exe))
     if key not in _SERVERS:
-        quantize = exe.with_name("llama-quantize")
-        gguf = requantized(spec, dtype, quantize if quantize.is_file() else None)
+        gguf = server_gguf(spec, dtype, exe)
         options = list(MODES.get(mode, []))
         if mode == "draft":
             options += ["-md", str(source_gguf(spec)), "-tbd", str(threads), "-td", str(threads)]
@@ -378,16 +426,6 @@ def engine_loader(load, spec: str):
     return loaded
 
 
-if __name__ == "__main__":  # `make llama-server`: build (or find) this CPU's llama-server, print its path
-    import sys
-
-    try:
-        print(build())
-    except LosslessError as exc:
-        print(f"lossless: error: {exc}", file=sys.stderr)
-        sys.exit(2)
-
-
 # ------------------------------------------------------------------------------------ a model as GGUF
 # Hugging Face parameter names of a Llama or Qwen3 decoder layer -> llama.cpp's tensor names
 LAYER_TENSORS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -404,9 +442,10 @@ def _rope_rows(w, heads: int):
 
 
 def write_gguf(backbone, path: str | Path) -> Path:
-    """The Hugging Face Llama or Qwen3 causal LM `backbone` as a GGUF file llama.cpp loads, with the same weights
-    bit for bit in the backbone's dtype (norms in fp32, as llama.cpp keeps them) and a placeholder vocabulary of
-    the model's size (token i is `<i>`: callers give token ids). Written aside, then renamed."""
+    """A Hugging Face Llama or Qwen3 causal LM `backbone` (without rope scaling or biases: refused) as a GGUF file
+    llama.cpp loads, with the same weights bit for bit in the backbone's dtype (norms in fp32, as llama.cpp keeps
+    them) and a placeholder vocabulary of the model's size (token i is `<i>`: callers give token ids, and the
+    end-of-generation token is id 1). Written aside, then renamed."""
     import gguf
     import numpy as np
     import torch
@@ -415,6 +454,14 @@ def write_gguf(backbone, path: str | Path) -> Path:
     arch = ARCHITECTURES.get(cfg.model_type)
     if arch is None:
         raise LosslessError(f"write_gguf: no llama.cpp layout for {cfg.model_type}; choose from {', '.join(ARCHITECTURES)}")
+    rope = getattr(cfg, "rope_scaling", None) or getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise LosslessError(f"write_gguf: rope scaling {rope.get('rope_type', rope.get('type'))} is not written; "
+                            "give a model without it")
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        raise LosslessError("write_gguf: biases of attention or MLP are not written; give a model without them")
+    if backbone.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise LosslessError(f"write_gguf: no GGUF type for {backbone.dtype}; use bf16, fp16 or fp32")
     kinds = {torch.bfloat16: (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
              torch.float16: (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
              torch.float32: (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32)}
@@ -444,28 +491,33 @@ def write_gguf(backbone, path: str | Path) -> Path:
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
 
-    def add(name: str, t, norm: bool = False):
-        t = t.detach().cpu()
-        if norm or t.dim() == 1:
-            w.add_tensor(name, t.float().numpy())
-        elif qtype == gguf.GGMLQuantizationType.F32:
+    params = dict(backbone.named_parameters())  # a tied LM head is the embedding's parameter: named once
+    written: set[str] = set()
+
+    def add(name: str, source: str, norm: bool = False, rows: int = 0):
+        written.add(source)
+        t = params[source].detach().cpu()
+        if rows:  # Llama's q or k projection: llama.cpp's rotary row order
+            t = _rope_rows(t, rows)
+        if norm or t.dim() == 1 or qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, t.float().numpy())
         else:  # the two-byte values as they are, as bytes
             w.add_tensor(name, t.contiguous().view(torch.int16).numpy().view(np.uint8), raw_dtype=qtype)
 
-    params = dict(backbone.named_parameters())
-    add("token_embd.weight", params["model.embed_tokens.weight"])
-    add("output_norm.weight", params["model.norm.weight"], norm=True)
-    if not cfg.tie_word_embeddings:
-        add("output.weight", params["lm_head.weight"])
+    add("token_embd.weight", "model.embed_tokens.weight")
+    add("output_norm.weight", "model.norm.weight", norm=True)
+    if "lm_head.weight" in params:
+        add("output.weight", "lm_head.weight")
     for i in range(cfg.num_hidden_layers):
         for hf, name in LAYER_TENSORS.items():
-            t = params.get(f"model.layers.{i}.{hf}.weight")
-            if t is None:
-                continue
-            if arch == "llama" and name in ("attn_q", "attn_k"):
-                t = _rope_rows(t, heads if name == "attn_q" else kv)
-            add(f"blk.{i}.{name}.weight", t)
+            source = f"model.layers.{i}.{hf}.weight"
+            if source in params:
+                rope = arch == "llama" and name in ("attn_q", "attn_k")
+                add(f"blk.{i}.{name}.weight", source, rows=(heads if name == "attn_q" else kv) if rope else 0)
+    missing = [n for n in params if n not in written]
+    if missing:
+        raise LosslessError(f"write_gguf: {len(missing)} parameters have no place in llama.cpp's {arch} layout "
+                            f"({', '.join(missing[:3])}); give a plain {arch} model")
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -475,3 +527,13 @@ def write_gguf(backbone, path: str | Path) -> Path:
     finally:
         partial.unlink(missing_ok=True)
     return path
+
+
+if __name__ == "__main__":  # `make llama-server`: build (or find) this CPU's llama-server, print its path
+    import sys
+
+    try:
+        print(build())
+    except LosslessError as exc:
+        print(f"lossless: error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -85,7 +85,7 @@ def compare(records: list[dict], reference: tuple[str, str], config_of, label_of
             groups[config_of(r)].append(r)
     rows = []
     for key, recs in sorted(groups.items()):
-        is_ref = key[0] == dtype and key[2] == kernel
+        is_ref = source is None and key[0] == dtype and key[2] == kernel  # (another run's reference is not here)
 
         def both(rs):
             ar = _agreement([(list(r["ar_ids"]), ref_ids[str(r["prompt_id"])]) for r in rs])

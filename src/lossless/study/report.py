@@ -730,7 +730,16 @@ def write_report(run_dir, out_dir=None, at_rest: bool = False, html: bool = True
     if reference_from is not None:  # the reference trajectories of another run (e.g. the full study's fp32 AR)
         if not Path(reference_from).is_dir():
             raise LosslessError(f"--reference-from {reference_from} is not a run directory: pass another audit's --out")
-        reference_run = (str(reference_from), load_run(Path(reference_from), at_rest)[0])
+        theirs, their_info = load_run(Path(reference_from), at_rest)
+        mine, other = run_info.get("config", {}), their_info.get("config", {})
+        for key in ("suite_sha256", "max_new_tokens", "model"):
+            if mine.get(key) != other.get(key):
+                raise LosslessError(f"--reference-from {reference_from} has {key} {other.get(key)!r}, this run "
+                                    f"{mine.get(key)!r}: its trajectories are not comparable with these")
+        if reference is None and refcmp.choose(theirs) is None:
+            raise LosslessError(f"--reference-from {reference_from} has no fp32 AR: name one of its references with "
+                                "--reference DTYPE/KERNEL")
+        reference_run = (str(reference_from), theirs)
     summary = summarise(records, run_info, reference, reference_run)
     summary["report_id"] = report_id(records, summary)
     groups = _group(records)
