@@ -209,3 +209,22 @@ def test_a_bf16_model_written_as_gguf_holds_its_weights_bit_for_bit(tmp_path):
     biased = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "attention_bias": True}))
     with pytest.raises(LosslessError, match="biases"):
         llamacpp.write_gguf(biased, tmp_path / "b.gguf")
+
+
+def test_a_port_taken_before_the_server_binds_it_is_tried_again(server_binary, monkeypatch):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    free = llamacpp._free_port
+    monkeypatch.setattr(llamacpp, "_free_port", lambda: next(ports, None) or free())
+    server = llamacpp.Server(server_binary, llamacpp.server_gguf(SPEC, "bf16", server_binary), 1)
+    try:
+        server.start()
+        assert server.port != taken.getsockname()[1] and server.proc.poll() is None
+    finally:
+        server.close()
+        taken.close()
+    assert not server.log.exists()  # closing takes the log with the server

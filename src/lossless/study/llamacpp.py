@@ -268,7 +268,18 @@ class Server:
     port: int = 0
     log: Path | None = None
 
-    def start(self) -> "Server":
+    def start(self, attempts: int = 3) -> "Server":
+        """Start the server and wait until it answers; a port taken meanwhile by another process (the free port
+        is found before the server binds it) is tried again with another, `attempts` times in all."""
+        for attempt in range(attempts):
+            try:
+                return self._start()
+            except LosslessError as exc:
+                if attempt + 1 == attempts or "bind" not in str(exc).lower():
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start(self) -> "Server":
         self.port = _free_port()
         fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
         self.log = Path(name)
@@ -283,8 +294,10 @@ class Server:
             deadline = time.monotonic() + START_SECONDS
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
+                    bind = any("bind" in x.lower() for x in self._log_lines()[-5:])
                     raise LosslessError(f"llama-server exited with {self.proc.returncode} "
-                                        f"({' '.join(self.options) or 'plain'}): {self._log_tail()}")
+                                        f"({' '.join(self.options) or 'plain'}): {self._log_tail()}"
+                                        + (" (could not bind its port)" if bind else ""))
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
                         return self
@@ -295,11 +308,14 @@ class Server:
             self.close()
             raise
 
-    def _log_tail(self) -> str:
+    def _log_lines(self) -> list[str]:
         try:
-            lines = [x for x in self.log.read_text(errors="replace").splitlines() if x.strip()]
-        except OSError:
-            return "no log"
+            return [x for x in self.log.read_text(errors="replace").splitlines() if x.strip()]
+        except (OSError, AttributeError):
+            return []
+
+    def _log_tail(self) -> str:
+        lines = self._log_lines()
         return lines[-1] if lines else "no output"
 
     def decode(self, ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> Decoded:
