@@ -318,13 +318,13 @@ class Server:
         lines = self._log_lines()
         return lines[-1] if lines else "no output"
 
-    def decode(self, ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> Decoded:
+    def decode(self, ids: list[int], max_new_tokens: int, ignore_eos: bool = False, probs: bool = True) -> Decoded:
         """Greedy decoding of `max_new_tokens` after the prompt `ids` (fewer where an end-of-generation token comes
-        first, unless `ignore_eos`)."""
+        first, unless `ignore_eos`); without `probs` no top tokens (nor their cost: a sort of the vocabulary)."""
         if self.proc is None:
             self.start()
         body = {"prompt": list(ids), "n_predict": max_new_tokens, "cache_prompt": False, "return_tokens": True,
-                "n_probs": 2, "stream": False, "ignore_eos": ignore_eos, **GREEDY_SAMPLING}
+                "n_probs": 2 if probs else 0, "stream": False, "ignore_eos": ignore_eos, **GREEDY_SAMPLING}
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         try:
