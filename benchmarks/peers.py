@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import time
 
-from lossless.study.llamacpp import requantized, source_gguf  # noqa: F401 (the benchmarks' names for them)
+from lossless.study.llamacpp import requantized
 
 
 def available() -> bool:

@@ -3,9 +3,9 @@ to a dtype (so both engines read the same weights), and llama.cpp's own server (
 greedily, plainly or with one of its speculative modes. The audit's llama.cpp candidates (`candidates.py`)
 and the benchmarks (`benchmarks/peers.py`, `serve_load.py`) build on this.
 
-The server binary is the one `$LLAMA_SERVER` names, else `llama-server` on PATH, else this CPU's build of the pinned
-release that `build()` makes (`make llama-server`, or `python -m lossless.study.llamacpp`). Its `llama-quantize`
-(beside it) requantizes the GGUF.
+The server binary is the one `$LLAMA_SERVER` names, else this CPU's build of the pinned release that `build()`
+makes (`make llama-server`, or `python -m lossless.study.llamacpp`), else `llama-server` on PATH. Its
+`llama-quantize` (beside it) requantizes the GGUF.
 
 Each decode is one `/completion` request: the prompt as token ids (the same chat template as ours), greedy
 (temperature 0), no prompt reuse between requests, the top two log-probabilities of every generated token (their
@@ -423,9 +423,6 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.head_digest = getattr(model, "head_digest", "")
         self.threads = threads or torch.get_num_threads()
-
-    def eos_token_ids(self):
-        return self.model.eos_token_ids()
 
     def decode(self, mode: str, ids: list[int], max_new_tokens: int) -> Decoded:
         return server(self.spec, self.dtype, mode, self.threads).decode(ids, max_new_tokens)
