@@ -42,15 +42,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from lossless.net import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 LLAMA_SERVER = "llama-server"

@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from lossless.decoding.loop import DecodeConfig, decode
 from lossless.decoding.model import OrthrusLM
+from lossless.net import free_port  # noqa: F401  (the tests' rendezvous and servers take their ports from it)
 
 # The tiny models are dominated by per-op overhead; with several intra-op threads on a busy machine the
 # OpenMP barriers can make a single forward 100x slower. One thread keeps the suite fast and steady.
@@ -84,16 +85,6 @@ def perturb_head(model: OrthrusLM, scale: float = 1.0, seed: int = 1234) -> None
         for p in model.head_parameters().values():
             std = float(p.float().std()) if p.numel() > 1 else 1.0
             p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * scale * (std or 1.0))
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nothing listens on now: a launched group's rendezvous gets its own, instead of
-    torchrun's fixed default, which an earlier group's socket may still hold."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_tokenizer(vocab: int = VOCAB):

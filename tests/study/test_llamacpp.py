@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from lossless import net
 from lossless.study import llamacpp
 from lossless.cli import main
 from lossless.errors import LosslessError
@@ -125,8 +126,12 @@ def test_audit_of_llama_cpp_against_its_own_greedy(server_binary, embedded, tmp_
     names = ["llama.cpp-ngram-simple", "llama.cpp-draft"]
     cfg = config(suite, configs=["bf16/llama.cpp"], candidates=names, max_new_tokens=24)
     cfg.model = SPEC
+    plain = llamacpp.server(SPEC, "bf16", llamacpp.GREEDY, THREADS)  # the audit's reference server
+    process = plain.proc
     result = run_audit(cfg, out, load=lambda d, a: embedded, progress=False)
     assert result["new_records"] == result["planned_records"] == 2 * len(names)
+    # the configuration's last item done, its servers are stopped: a finished configuration holds no memory
+    assert process.poll() is not None and llamacpp.server(SPEC, "bf16", llamacpp.GREEDY, THREADS) is not plain
     records, info = load_run(out)
     assert info["environment"]["llama_server"].startswith("version")
     from lossless.text import encode_prompt
@@ -218,8 +223,8 @@ def test_a_port_taken_before_the_server_binds_it_is_tried_again(server_binary, m
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     ports = iter([taken.getsockname()[1]])
-    free = llamacpp._free_port
-    monkeypatch.setattr(llamacpp, "_free_port", lambda: next(ports, None) or free())
+    free = net.free_port
+    monkeypatch.setattr(net, "free_port", lambda: next(ports, None) or free())
     server = llamacpp.Server(server_binary, llamacpp.server_gguf(SPEC, "bf16", server_binary), 1)
     try:
         server.start()

@@ -590,10 +590,11 @@ def _run_locked(cfg: AuditConfig, run_dir: Path, suite: list[dict], work: list, 
         return [c for c in cfg.candidates if not all(i in done for i in item_ids(prompt["id"], dtype, attn, c))]
 
     todo = [(w, m) for w in mine if (m := missing(w))]
+    last_of = {(dtype, attn): i for i, ((_, dtype, attn), _) in enumerate(todo)}  # a configuration's last item
     n_new = 0
     with store.session(), tqdm(total=len(mine), initial=len(mine) - len(todo), desc="audit pairs", unit="item",
                                disable=not progress) as bar:
-        for (prompt, dtype, attn), names in todo:
+        for i, ((prompt, dtype, attn), names) in enumerate(todo):
             for kernel in reference_kernels(attn):
                 if (dtype, kernel) not in models:
                     if kernel != attn and (prompt["id"], dtype, kernel) in known:
@@ -609,6 +610,8 @@ def _run_locked(cfg: AuditConfig, run_dir: Path, suite: list[dict], work: list, 
             n_new += len(records)
             bar.set_postfix(match=f"{sum(r['exact_match'] for r in records)}/{len(records)}")
             bar.update(1)
+            if attn == LLAMA_CPP and last_of[(dtype, attn)] == i:
+                llamacpp.close(dtype)  # this configuration's servers are done with
     return {"run_dir": str(run_dir), "records_dir": str(store.dir), "writer": store.writer, "new_records": n_new,
             "shard_items": len(mine), "planned_records": planned}
 

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -30,6 +29,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import net
 from ..errors import LosslessError
 from ..paths import cache_dir
 
@@ -209,12 +209,6 @@ def require_server(path: str | Path | None = None) -> Path:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _prctl():
     """The C library's prctl, looked up in the parent (nothing may load a library between fork and exec)."""
     try:
@@ -280,7 +274,7 @@ class Server:
         raise AssertionError("unreachable")
 
     def _start(self) -> "Server":
-        self.port = _free_port()
+        self.port = net.free_port()
         fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
         self.log = Path(name)
         cmd = [str(self.binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
@@ -398,11 +392,16 @@ def server(spec: str, dtype: str, mode: str, threads: int, binary: str | Path | 
     return _SERVERS[key]
 
 
+def close(dtype: str | None = None) -> None:
+    """Stop the running servers of `dtype` (every server when None): an audit stops a configuration's servers once
+    its last item is done, so finished configurations hold no memory."""
+    for key in [k for k in _SERVERS if dtype is None or k[1] == dtype]:
+        _SERVERS.pop(key).close()
+
+
 @atexit.register
 def close_all() -> None:
-    for s in _SERVERS.values():
-        s.close()
-    _SERVERS.clear()
+    close()
 
 
 def server_version(binary: str | Path | None = None) -> str:
