@@ -224,7 +224,7 @@ inline V16 exp_fixed(V16 x) {
 constexpr int64_t CHUNK_STEPS = 16;  // bf16 pair steps per chunk of 32 inputs
 #if defined(LOSSLESS_DPBF16)
 constexpr int RB = 4, JB = 2;  // bf16 dot products: 8 x (e, o, sum) = 24 registers + 2 weight vectors + 1 broadcast
-constexpr int RT = 12;         // tall blocks through one panel: 12 x (e, o) = 24 registers, the sums in memory
+constexpr int RT = 14;         // tall blocks through one panel: 14 x (e, o) = 28 registers, the sums in memory
 #endif
 #if defined(LOSSLESS_V16_AVX512)
 constexpr int RF = 4, JF = 4;  // fp32/fp16: 16 accumulators + 4 weight vectors + 1 broadcast
@@ -385,9 +385,68 @@ inline V16 start_sum(const Weight<T>& w, int64_t row, int64_t panel) {
   return w.init ? V16::load_padded(w.init + row * w.n, panel * LANES, w.n) : V16::zero();
 }
 
+// 16 sums rounded to T (from_float's rule, lane-wise) into out[0..15]: AVX-512 rounds bf16 and fp32 in
+// registers with from_float's own integer rule (round to nearest even on the bits, NaN to the canonical NaN),
+// the other variants and fp16 lane by lane through from_float
+template <typename T>
+inline void store_rounded(V16 s, T* out) {
+#if defined(LOSSLESS_V16_AVX512)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const __m512i bits = _mm512_castps_si512(s.v);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
+                                          _mm512_set1_epi32(0x7FFF));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(s.v, s.v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
+    return;
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(out, V16::if_nan(s, V16::splat(CANONICAL_NAN), s).v);
+    return;
+  }
+#endif
+  alignas(64) float buf[LANES];
+  s.store(buf);
+  for (int64_t l = 0; l < LANES; ++l) out[l] = from_float<T>(buf[l]);
+}
+
+// 16 lanes rounded to T and read back as floats: to_float(from_float<T>(lane)), lane-wise
+template <typename T>
+inline V16 rounded_lanes(V16 s) {
+  if constexpr (std::is_same_v<T, float>) return V16::if_nan(s, V16::splat(CANONICAL_NAN), s);
+#if defined(LOSSLESS_V16_AVX512)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    alignas(32) T buf[LANES];
+    store_rounded<T>(s, buf);
+    return V16::load(buf);
+  }
+#endif
+  alignas(64) float buf[LANES];
+  s.store(buf);
+  for (int64_t l = 0; l < LANES; ++l) buf[l] = to_float(from_float<T>(buf[l]));
+  return V16::load(buf);
+}
+
+// out[i] = from_float<T>(to_float(a[i]) OP to_float(b[i])) for i < n, 16 lanes at a time (the same operation
+// lane by lane, so the same bits): OP is + (ADD) or *
+template <bool ADD, typename T>
+inline void combine_rounded(const T* a, const T* b, int64_t n, T* out) {
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    const V16 x = V16::load(a + i), y = V16::load(b + i);
+    store_rounded<T>(ADD ? x.add(y) : x.mul(y), out + i);
+  }
+  for (; i < n; ++i) out[i] = from_float<T>(ADD ? to_float(a[i]) + to_float(b[i]) : to_float(a[i]) * to_float(b[i]));
+}
+
 // the 16 sums of one row and panel to the outputs that exist: + bias, rounded to T (or as they are to `sums`)
 template <typename T>
 inline void store_sum(const Weight<T>& w, int64_t row, int64_t panel, const float* sum) {
+  if ((panel + 1) * LANES <= w.n) {  // a whole panel: the same additions and roundings, 16 lanes at once
+    const int64_t o = row * w.n + panel * LANES;
+    if (w.sums) return V16::load(sum).store(w.sums + o);
+    return store_rounded<T>(w.bias ? V16::load(sum).add(V16::load(w.bias + panel * LANES)) : V16::load(sum), w.out + o);
+  }
   for (int64_t l = 0; l < LANES; ++l) {
     const int64_t o = panel * LANES + l;
     if (o >= w.n) break;
@@ -406,7 +465,9 @@ constexpr int64_t PREFETCH = LOSSLESS_PREFETCH;
 // Ask for the weights a block will read: blocks of up to RB rows (each weight vector feeds RB x J products)
 // PREFETCH steps ahead in their own panels, into L1; tall blocks (one panel, the dot-product variant) the next
 // panel's line at this step, into L2, so the memory streams while a block that reads from cache computes and the
-// next block finds its panel there. (A prefetch past the weights' end is harmless: it never faults.)
+// next block finds its panel there (the B blocks of rows reading a panel share that out: block b asks for the
+// lines b, b + B, b + 2B, .., so the requests come at an even rate over all the blocks instead of queueing
+// behind the first, which then waits on memory). (A prefetch past the weights' end is harmless: it never faults.)
 template <int J, bool TALL>
 inline void prefetch_panels(const uint32_t* w, int64_t steps) {
   if constexpr (TALL) {
@@ -485,7 +546,8 @@ inline void pair_step(const Rows<at::BFloat16>& x, int64_t r0, const uint32_t* w
 // +0, a step of each in turn (the weights read in memory order), then sum = sum + (e + o). The sums stay in
 // registers beside the chains in blocks of up to 8 outputs vectors (3 x 8 of 32 registers), else in memory.
 template <int R, int J, bool WIDE, bool TALL>
-inline void pair_block(const Rows<at::BFloat16>& x, int64_t r0, const Weight<at::BFloat16>& wt, int64_t p0) {
+inline void pair_block(const Rows<at::BFloat16>& x, int64_t r0, const Weight<at::BFloat16>& wt, int64_t p0,
+                       int64_t block = 0, int64_t blocks = 1) {
   constexpr bool HELD = R * J <= 8;
   const int64_t steps = x.steps, stride = steps * LANES;
   const uint32_t* w = reinterpret_cast<const uint32_t*>(wt.packed) + p0 * stride;
@@ -498,6 +560,7 @@ inline void pair_block(const Rows<at::BFloat16>& x, int64_t r0, const Weight<at:
       if constexpr (HELD) sum[r][j] = start_sum(wt, r0 + r, p0 + j);
       else start_sum(wt, r0 + r, p0 + j).store(sums[r][j]);
     }
+  int64_t ahead = block;  // the next step whose line of the next panel this block asks for (tall blocks)
   for (int64_t c = 0; c < steps; c += CHUNK_STEPS) {
     V16 e[R][J], o[R][J];
 #pragma GCC unroll 16
@@ -505,8 +568,13 @@ inline void pair_block(const Rows<at::BFloat16>& x, int64_t r0, const Weight<at:
 #pragma GCC unroll 4
       for (int j = 0; j < J; ++j) e[r][j] = o[r][j] = V16::zero();
     for (int64_t i = c; i < c + CHUNK_STEPS; i += 2) {
-      prefetch_panels<J, TALL>(w + i * LANES, steps);
-      prefetch_panels<J, TALL>(w + (i + 1) * LANES, steps);
+      if constexpr (TALL) {  // the next panel's lines shared out over the blocks of rows reading this one
+        if (i == ahead) { prefetch_panels<J, TALL>(w + i * LANES, steps); ahead += blocks; }
+        if (i + 1 == ahead) { prefetch_panels<J, TALL>(w + (i + 1) * LANES, steps); ahead += blocks; }
+      } else {
+        prefetch_panels<J, TALL>(w + i * LANES, steps);
+        prefetch_panels<J, TALL>(w + (i + 1) * LANES, steps);
+      }
       pair_step<R, J, WIDE>(x, r0, w, stride, i, e);
       pair_step<R, J, WIDE>(x, r0, w, stride, i + 1, o);
     }
@@ -534,13 +602,14 @@ inline void pair_block(const Rows<at::BFloat16>& x, int64_t r0, const Weight<at:
 
 // the block of `rows` (1..R) rows from row r through panels p..p+J-1: fp32/fp16 panel_block, bf16 pair_block
 template <int R, int J, bool WIDE, bool TALL, typename T>
-inline void block_of(int rows, const Rows<T>& x, int64_t r, const Weight<T>& wt, int64_t p) {
+inline void block_of(int rows, const Rows<T>& x, int64_t r, const Weight<T>& wt, int64_t p, int64_t block,
+                     int64_t blocks) {
   if (rows == R) {
-    if constexpr (PAIRED<T>) pair_block<R, J, WIDE, TALL>(x, r, wt, p);
+    if constexpr (PAIRED<T>) pair_block<R, J, WIDE, TALL>(x, r, wt, p, block, blocks);
     else panel_block<R, J>(x, r, wt, p);
     return;
   }
-  if constexpr (R > 1) return block_of<R - 1, J, WIDE, TALL>(rows, x, r, wt, p);
+  if constexpr (R > 1) return block_of<R - 1, J, WIDE, TALL>(rows, x, r, wt, p, block, blocks);
   TORCH_CHECK(false, "linear: a block of ", rows, " rows");
 }
 
@@ -552,7 +621,7 @@ inline void panel_all_rows(const Rows<T>& x, int64_t m, const Weight<T>& wt, int
   int64_t r = 0;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t rows = (m - r) / (blocks - b);  // the rows left, split evenly over the blocks left
-    block_of<R, J, WIDE, TALL>(static_cast<int>(rows), x, r, wt, p);
+    block_of<R, J, WIDE, TALL>(static_cast<int>(rows), x, r, wt, p, b, blocks);
     r += rows;
   }
 }
@@ -1423,7 +1492,10 @@ inline void rms_row(const T* xi, const T* wp, int64_t c, float e, T* out) {
     lanes[t % LANES] = std::fmaf(v, v, lanes[t % LANES]);
   }
   const float inv = 1.0f / std::sqrt(tree16(lanes) / static_cast<float>(c) + e);
-  for (int64_t t = 0; t < c; ++t) out[t] = from_float<T>(to_float(wp[t]) * to_float(from_float<T>(to_float(xi[t]) * inv)));
+  int64_t t = 0;
+  for (; t + LANES <= c; t += LANES)  // the same two roundings, 16 lanes at a time
+    store_rounded<T>(V16::load(wp + t).mul(rounded_lanes<T>(V16::load(xi + t).mul(V16::splat(inv)))), out + t);
+  for (; t < c; ++t) out[t] = from_float<T>(to_float(wp[t]) * to_float(from_float<T>(to_float(xi[t]) * inv)));
 }
 
 template <typename T> inline T silu_one(T x) {
@@ -1436,9 +1508,7 @@ template <typename T> inline void silu_many(const T* x, int64_t n, T* out) {
   int64_t i = 0;
   for (; i + LANES <= n; i += LANES) {
     const V16 v = V16::load(x + i);
-    float y[LANES];
-    v.div(V16::splat(1.0f).add(exp_fixed(V16::splat(-1.0f).mul(v)))).store(y);
-    for (int64_t l = 0; l < LANES; ++l) out[i + l] = from_float<T>(y[l]);
+    store_rounded<T>(v.div(V16::splat(1.0f).add(exp_fixed(V16::splat(-1.0f).mul(v)))), out + i);
   }
   for (; i < n; ++i) out[i] = silu_one(x[i]);
 }
@@ -1874,7 +1944,7 @@ struct StackRun {
   void residual_norm(const T* add, const at::Tensor& w, double eps, T* out, Rows<T>& rows, int64_t r0, int64_t r1) {
     if (add != nullptr) {
       FloatMode::set(caller_mode);
-      for (int64_t e = r0 * hidden; e < r1 * hidden; ++e) x[e] = from_float<T>(to_float(x[e]) + to_float(add[e]));
+      combine_rounded<true>(x.data() + r0 * hidden, add + r0 * hidden, (r1 - r0) * hidden, x.data() + r0 * hidden);
     }
     {
       const FlushDenormals flush;
@@ -2005,7 +2075,7 @@ struct StackRun {
             silu_many(g.data() + col0, col1 - col0, act.data() + col0);
           }
           FloatMode::set(caller_mode);
-          for (int64_t c = col0; c < col1; ++c) act[c] = from_float<T>(to_float(act[c]) * to_float(u[c]));
+          combine_rounded<false>(act.data() + col0, u.data() + col0, col1 - col0, act.data() + col0);
           rows_act.fill(act.data(), r, s0 - r * steps, s1 - r * steps);
           s0 = s1;
         }
@@ -2018,7 +2088,7 @@ struct StackRun {
     // the last layer's MLP residual
     share(m, t, threads, 1, b, e);
     FloatMode::set(caller_mode);
-    for (int64_t i = b * hidden; i < e * hidden; ++i) x[i] = from_float<T>(to_float(x[i]) + to_float(d[i]));
+    combine_rounded<true>(x.data() + b * hidden, d.data() + b * hidden, (e - b) * hidden, x.data() + b * hidden);
   }
 };
 
