@@ -312,6 +312,10 @@ struct Rows {
   std::vector<uint32_t> pairs;
   std::vector<uint16_t> tiles;  // AMX: bf16 [ceil(m / 16) * 16, kp], zeros past k and past m
   int64_t steps = 0;  // chain steps per output: k, or kp / 2 pairs
+  // bf16 pairs: words from one row's steps to the next, `steps` padded to an odd number of 64-byte lines, so the
+  // rows of a tall block read step i from as many different L1 sets (at a multiple of 4 KB, as for k = 2,048,
+  // every row's line of a step would sit in one 8-way set and evict the others at every step)
+  int64_t stride = 0;
   int64_t k = 0;
   bool widened = false, amx = false;
   Rows() = default;
@@ -328,8 +332,10 @@ struct Rows {
       amx = m >= amx_rows();
       if (amx) tiles.assign(static_cast<size_t>((m + 15) / 16 * 16 * steps * 2), 0);
 #endif
+      // CHUNK_STEPS words are one line; calls of up to 4 rows (a decode step; blocks of at most 4 rows) need none
+      stride = m <= 4 || steps / CHUNK_STEPS % 2 ? steps : steps + CHUNK_STEPS;
       if (widened) f.resize(static_cast<size_t>(m * steps * 2));
-      else pairs.resize(static_cast<size_t>(m * steps));
+      else pairs.resize(static_cast<size_t>(m * stride));
     } else {
       steps = k;
       f.resize(static_cast<size_t>(m * k));
@@ -346,7 +352,7 @@ struct Rows {
           f[(r * steps + i) * 2] = __builtin_bit_cast(float, static_cast<uint32_t>(hi) << 16);
           f[(r * steps + i) * 2 + 1] = __builtin_bit_cast(float, static_cast<uint32_t>(lo) << 16);
         } else {
-          pairs[r * steps + i] = static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16;
+          pairs[r * stride + i] = static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16;
         }
         if (amx) {
           tiles[r * steps * 2 + first] = hi;
@@ -532,7 +538,7 @@ inline void pair_step(const Rows<at::BFloat16>& x, int64_t r0, const uint32_t* w
     for (int j = 0; j < J; ++j) wv[j] = _mm512_loadu_si512(w + j * stride + i * LANES);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const uint32_t xr = x.pairs[(r0 + r) * x.steps + i];
+      const uint32_t xr = x.pairs[(r0 + r) * x.stride + i];
 #pragma GCC unroll 4
       for (int j = 0; j < J; ++j) acc[r][j] = acc[r][j].dot_pairs(xr, wv[j]);
     }
