@@ -224,7 +224,8 @@ inline V16 exp_fixed(V16 x) {
 constexpr int64_t CHUNK_STEPS = 16;  // bf16 pair steps per chunk of 32 inputs
 #if defined(LOSSLESS_DPBF16)
 constexpr int RB = 4, JB = 2;  // bf16 dot products: 8 x (e, o, sum) = 24 registers + 2 weight vectors + 1 broadcast
-constexpr int RT = 14;         // tall blocks through one panel: 14 x (e, o) = 28 registers, the sums in memory
+constexpr int RT = 14;         // tall blocks through one panel: 14 x (e, o) = 28 registers + 1 weight vector + 1
+                               // broadcast (30 of 32, no spills), the sums in memory
 #endif
 #if defined(LOSSLESS_V16_AVX512)
 constexpr int RF = 4, JF = 4;  // fp32/fp16: 16 accumulators + 4 weight vectors + 1 broadcast
@@ -304,7 +305,7 @@ bool set_widen_bf16(bool on) {
   return widen_bf16();
 }
 
-// x rows as the kernel reads them: fp32 [m, k]; bf16 pair steps as uint32 [m, kp / 2] or (widened) each step's
+// x rows as the kernel reads them: fp32 [m, k]; bf16 pair steps as uint32 [m, stride] or (widened) each step's
 // pair as fp32 (high, low) [m, kp / 2, 2], and for AMX tiles the rows in the inputs' own order, [16-row tiles, kp]
 template <typename T>
 struct Rows {
@@ -312,9 +313,10 @@ struct Rows {
   std::vector<uint32_t> pairs;
   std::vector<uint16_t> tiles;  // AMX: bf16 [ceil(m / 16) * 16, kp], zeros past k and past m
   int64_t steps = 0;  // chain steps per output: k, or kp / 2 pairs
-  // bf16 pairs: words from one row's steps to the next, `steps` padded to an odd number of 64-byte lines, so the
-  // rows of a tall block read step i from as many different L1 sets (at a multiple of 4 KB, as for k = 2,048,
-  // every row's line of a step would sit in one 8-way set and evict the others at every step)
+  // bf16 pairs: words from one row's steps to the next; in calls of more than 4 rows `steps` padded to an odd
+  // number of 64-byte lines, so the rows of a tall block read step i from as many different L1 sets (at a
+  // multiple of 4 KB, as for k = 2,048, every row's line of a step would sit in one 8-way set and evict the
+  // others at every step)
   int64_t stride = 0;
   int64_t k = 0;
   bool widened = false, amx = false;
@@ -333,7 +335,7 @@ struct Rows {
       if (amx) tiles.assign(static_cast<size_t>((m + 15) / 16 * 16 * steps * 2), 0);
 #endif
       // CHUNK_STEPS words are one line; calls of up to 4 rows (a decode step; blocks of at most 4 rows) need none
-      stride = m <= 4 || steps / CHUNK_STEPS % 2 ? steps : steps + CHUNK_STEPS;
+      stride = (m <= 4 || (steps / CHUNK_STEPS) % 2) ? steps : steps + CHUNK_STEPS;
       if (widened) f.resize(static_cast<size_t>(m * steps * 2));
       else pairs.resize(static_cast<size_t>(m * stride));
     } else {
