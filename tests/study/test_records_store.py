@@ -76,11 +76,12 @@ def test_repair_keeps_unrolled_lines_and_drops_rolled_ones(tmp_path):
     run = tmp_path / "run"
     plain = _plain_with_torn_tail(run, n=4)
     seg = run / "records" / "all.20260101T000000.jsonl.gz"
-    seg.write_bytes(gzip.compress(b'{"key": "k0", "v": 0}\n{"key": "k1", "v": 1}\n'))
+    rolled = gzip.compress(b'{"key": "k0", "v": 0}\n{"key": "k1", "v": 1}\n')  # gzip stamps the time: keep these bytes
+    seg.write_bytes(rolled)
     store = RecordStore(run, "all")
     assert plain.read_text() == ""
     assert [r["key"] for r in read_records(run, at_rest=True)] == ["k0", "k1", "k2", "k3"]
-    assert seg.read_bytes() == gzip.compress(b'{"key": "k0", "v": 0}\n{"key": "k1", "v": 1}\n')  # never rewritten
+    assert seg.read_bytes() == rolled  # never rewritten
     assert len(store.segments()) == 2
 
 
