@@ -6,6 +6,7 @@ refused in one line."""
 
 import dataclasses
 import math
+import os
 from unittest import mock
 
 import numpy as np
@@ -301,6 +302,35 @@ def test_the_isa_switch_refuses_unknown_and_unrunnable_variants(monkeypatch):
                 pass
     finally:
         kernels._resolve.cache_clear()
+
+
+def test_the_build_compiles_as_many_files_at_once_as_the_cores_and_the_memory_allow(monkeypatch):
+    assert kernels.build_jobs(cores=8, available_gb=64.0) == 8
+    assert kernels.build_jobs(cores=8, available_gb=6.0) == 2  # 2.5 GB a file
+    assert kernels.build_jobs(cores=2, available_gb=1.0) == 1  # never none
+    monkeypatch.setattr(kernels, "_available_gb", lambda: None)  # memory unknown: every file at once, up to the cores
+    assert kernels.build_jobs(cores=16) == 1 + len(kernels.VARIANT_SOURCES)
+    assert kernels.build_jobs(cores=3) == 3
+
+
+def test_a_build_compiles_every_variant_file_with_the_jobs_it_chose_and_leaves_the_environment_as_it_was(
+        monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("LOSSLESS_CACHE", str(tmp_path))
+    monkeypatch.delenv("MAX_JOBS", raising=False)
+    monkeypatch.setattr(kernels, "_available_gb", lambda: 5.5)
+    seen = []
+    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **kw: seen.append(
+        (os.environ.get("MAX_JOBS"), sorted(os.path.basename(s) for s in sources))) or "built")
+    assert kernels.build(["-O0"]) == "built" and "MAX_JOBS" not in os.environ
+    cores = len(os.sched_getaffinity(0))
+    assert seen[0] == (str(min(cores, 2)), sorted(["exact_kernels.cpp", *kernels.VARIANT_SOURCES]))
+    # the headers travel with them, into the build's own folder
+    assert {"exact_common.h", "exact_isa.h"} <= {p.name for p in tmp_path.glob("kernels/*/src/*")}
+    monkeypatch.setenv("MAX_JOBS", "3")  # the user's word decides
+    kernels.build(["-O0"])
+    assert seen[1][0] == "3" and os.environ["MAX_JOBS"] == "3"
 
 
 def test_amx_is_refused_in_one_line_without_the_tiles_or_the_leave_to_use_them(monkeypatch):

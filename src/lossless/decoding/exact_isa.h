@@ -1,11 +1,14 @@
 // The kernels of exact mode in terms of `V16`, compiled once per instruction-set variant.
 //
-// `exact_kernels.cpp` includes this file four times, each time inside its own namespace and under its own
+// Each variant's file (`exact_<variant>.cpp`) includes this once, inside its own namespace and under its own
 // `#pragma GCC target`, with one of LOSSLESS_V16_AVX512 / LOSSLESS_V16_AVX2 / neither (plain loops) defined and,
-// for the first, LOSSLESS_DPBF16 (the AVX-512 BF16 dot product). Nothing here may depend on the variant but
+// for amx and avx512bf16, LOSSLESS_DPBF16 (the AVX-512 BF16 dot product; amx adds LOSSLESS_AMX, its tiles). Nothing here may depend on the variant but
 // how many lanes one instruction advances: every function keeps the invariant stated at the top of
 // `exact_kernels.cpp` (one fixed chain of correctly rounded IEEE operations per output), and every entry point
 // runs its work under `FlushDenormals` in the thread that does it.
+
+using namespace exact_shared;  // exact_common.h: the denormal rule, the barrier, the argument checks
+#include "exact_api.h"  // the entry points' declarations and the layer stack's struct
 
 constexpr int64_t LANES = 16;
 
@@ -1820,49 +1823,31 @@ at::Tensor layer_out(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 // and the same cache as layer by layer; what goes is the Python between the layers and the cost of starting a
 // parallel region for every op. The caller makes room in the buffers first and moves the cache's length after
 // (or leaves it where it was: the draft view's rows written aside).
-struct Stack {
-  struct Layer {
-    at::Tensor norm_in, q_norm, k_norm, norm_out;
-    double eps_in, qk_eps, scaling, eps_out;
-    int64_t head_dim;
-    std::vector<at::Tensor> packed_in, bias_in, packed_out, bias_out;
-    std::vector<int64_t> n_in, n_out;
-  };
-  std::vector<Layer> layers;
-
-  // layer_in's arguments after cos/sin, the attention scaling, then layer_out's after the visibility
-  void add(const at::Tensor& norm_in, double eps_in, const std::vector<at::Tensor>& packed_in,
-           const std::vector<at::Tensor>& bias_in, const std::vector<int64_t>& n_in, const at::Tensor& q_norm,
-           const at::Tensor& k_norm, double qk_eps, int64_t head_dim, double scaling,
-           const std::vector<at::Tensor>& packed_out, const std::vector<at::Tensor>& bias_out,
-           const std::vector<int64_t>& n_out, const at::Tensor& norm_out, double eps_out) {
-    TORCH_CHECK(packed_in.size() == 3 && bias_in.size() == 3 && n_in.size() == 3, "Stack.add: q, k and v projections");
-    TORCH_CHECK(packed_out.size() == 4 && bias_out.size() == 4 && n_out.size() == 4,
-                "Stack.add: o, gate, up and down projections");
-    TORCH_CHECK(head_dim > 0 && n_in[0] % head_dim == 0 && n_in[1] % head_dim == 0 && n_in[1] == n_in[2] &&
-                    n_in[0] % n_in[1] == 0 && n_out[1] == n_out[2] && norm_in.dim() == 1 &&
-                    norm_out.sizes() == norm_in.sizes() && n_out[0] == norm_in.size(0) && n_out[3] == norm_in.size(0),
-                "Stack.add: the shapes of a Llama/Qwen3 layer");
-    for (const at::Tensor& t : {norm_in, norm_out}) check_cpu(t, "norm weight");
-    if (!layers.empty()) {
-      const Layer& first = layers[0];
-      TORCH_CHECK(first.n_in == n_in && first.n_out == n_out && first.head_dim == head_dim &&
-                      first.norm_in.scalar_type() == norm_in.scalar_type(), "Stack.add: every layer of one shape and dtype");
-    }
-    for (const at::Tensor& t : {q_norm, k_norm})
-      TORCH_CHECK(t.numel() == 0 || (t.dim() == 1 && t.size(0) == head_dim && t.is_contiguous()), "Stack.add: q/k norms [d]");
-    layers.push_back({norm_in, q_norm, k_norm, norm_out, eps_in, qk_eps, scaling, eps_out, head_dim, packed_in,
-                      bias_in, packed_out, bias_out, n_in, n_out});
+// Stack.add: layer_in's arguments after cos/sin, the attention scaling, then layer_out's after the visibility
+void Stack::add(const at::Tensor& norm_in, double eps_in, const std::vector<at::Tensor>& packed_in,
+                const std::vector<at::Tensor>& bias_in, const std::vector<int64_t>& n_in, const at::Tensor& q_norm,
+                const at::Tensor& k_norm, double qk_eps, int64_t head_dim, double scaling,
+                const std::vector<at::Tensor>& packed_out, const std::vector<at::Tensor>& bias_out,
+                const std::vector<int64_t>& n_out, const at::Tensor& norm_out, double eps_out) {
+  TORCH_CHECK(packed_in.size() == 3 && bias_in.size() == 3 && n_in.size() == 3, "Stack.add: q, k and v projections");
+  TORCH_CHECK(packed_out.size() == 4 && bias_out.size() == 4 && n_out.size() == 4,
+              "Stack.add: o, gate, up and down projections");
+  TORCH_CHECK(head_dim > 0 && n_in[0] % head_dim == 0 && n_in[1] % head_dim == 0 && n_in[1] == n_in[2] &&
+                  n_in[0] % n_in[1] == 0 && n_out[1] == n_out[2] && norm_in.dim() == 1 &&
+                  norm_out.sizes() == norm_in.sizes() && n_out[0] == norm_in.size(0) && n_out[3] == norm_in.size(0),
+              "Stack.add: the shapes of a Llama/Qwen3 layer");
+  for (const at::Tensor& t : {norm_in, norm_out}) check_cpu(t, "norm weight");
+  if (!layers.empty()) {
+    const Layer& first = layers[0];
+    TORCH_CHECK(first.n_in == n_in && first.n_out == n_out && first.head_dim == head_dim &&
+                    first.norm_in.scalar_type() == norm_in.scalar_type(), "Stack.add: every layer of one shape and dtype");
   }
+  for (const at::Tensor& t : {q_norm, k_norm})
+    TORCH_CHECK(t.numel() == 0 || (t.dim() == 1 && t.size(0) == head_dim && t.is_contiguous()), "Stack.add: q/k norms [d]");
+  layers.push_back({norm_in, q_norm, k_norm, norm_out, eps_in, qk_eps, scaling, eps_out, head_dim, packed_in,
+                    bias_in, packed_out, bias_out, n_in, n_out});
+}
 
-  // x [m, hidden] at positions with cos/sin [m, d]; visible [m, n + m]; keys/values: one buffer [1, kv, cap, d]
-  // per layer, cap >= n + m, holding the cache's n positions. Returns the last layer's output [m, hidden].
-  // tiles: each layer's key tiles [kv, tiles >= (n + m) / 16, steps, 16] int32 (`write_tile`), valid for its first
-  // `valid` positions: the rest up to n are made from the cache's keys, the m new rows' written.
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& visible,
-                     const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                     const std::vector<at::Tensor>& tiles, const std::vector<int64_t>& valid, int64_t n) const;
-};
 
 // The cache's keys kept a second time as tiles, for attention's scores to read with plain loads: per kv head,
 // tiles of 16 positions, [kv, tiles, steps, 16] 32-bit words, position p's step i at lane p % 16 of tile p / 16;
@@ -2128,7 +2113,7 @@ at::Tensor stack_forward(const Stack& s, const at::Tensor& x, const at::Tensor& 
   return at::from_blob(run.x.data(), {m, run.hidden}, x.options()).clone();
 }
 
-inline at::Tensor Stack::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+at::Tensor Stack::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                  const at::Tensor& visible, const std::vector<at::Tensor>& keys,
                                  const std::vector<at::Tensor>& values, const std::vector<at::Tensor>& tiles,
                                  const std::vector<int64_t>& valid, int64_t n) const {

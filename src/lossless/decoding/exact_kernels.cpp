@@ -18,7 +18,8 @@
 // multiply-add but the explicit ones); blocking and threading only decide which chains advance together.
 //
 // Three rules make those chains give the same bits on every machine, not only within one:
-// - Variants side by side. `exact_isa.h` holds the kernels once and is compiled here five times, each in its
+// - Variants side by side. `exact_isa.h` holds the kernels once and is compiled five times, once in each
+//   variant's file (exact_<variant>.cpp, its own translation unit, so the build runs them in parallel), each in its
 //   own namespace under its own `#pragma GCC target`: amx (avx512bf16's kernels, bf16 calls of enough rows on AMX
 //   tiles), avx512bf16 (AVX-512 with the BF16 dot product), avx512, avx2 and scalar (plain loops; hardware fma).
 //   Python picks one per call (LOSSLESS_EXACT_ISA), so any machine can run, and the tests compare, every variant
@@ -31,199 +32,29 @@
 // - A NaN output is the canonical quiet NaN: instruction paths propagate different NaN payloads.
 // Outside x86-64 only the scalar variant is built, with the FZ bit of AArch64's FPCR as the denormal rule.
 
+#include "exact_common.h"
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
-#include <omp.h>
-
-#include <algorithm>
-#include <array>
-#include <atomic>
-#include <chrono>
-#include <cmath>
-#include <cstdint>
-#include <cerrno>
-#include <cstring>
-#include <string>
-#include <thread>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define LOSSLESS_X86 1
-#endif
-
-namespace {
-
-const float CANONICAL_NAN = __builtin_bit_cast(float, 0x7FC00000u);
-
-// FTZ and DAZ for the lifetime of this object in this thread, then the caller's mode again.
-struct FlushDenormals {
+// Each variant's entry points, declared (defined in its own file, exact_<variant>.cpp, its own translation unit)
 #if defined(LOSSLESS_X86)
-  unsigned saved;
-  FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040u); }  // FTZ (bit 15) | DAZ (bit 6)
-  ~FlushDenormals() { _mm_setcsr(saved); }
-#elif defined(__aarch64__)
-  uint64_t saved;
-  FlushDenormals() {
-    __asm__ __volatile__("mrs %0, fpcr" : "=r"(saved));
-    __asm__ __volatile__("msr fpcr, %0" : : "r"(saved | (1ull << 24)));  // FZ: inputs and results
-  }
-  ~FlushDenormals() { __asm__ __volatile__("msr fpcr, %0" : : "r"(saved)); }
-#else
-#error "exact mode's kernels need x86-64 or AArch64 (a defined denormal rule)"
-#endif
-  FlushDenormals(const FlushDenormals&) = delete;
-  FlushDenormals& operator=(const FlushDenormals&) = delete;
-};
-
-// The floating-point mode of the calling thread (MXCSR; AArch64: FPCR), to run other threads' elementwise work
-// under the rules ATen's ops would have in the caller.
-struct FloatMode {
-#if defined(LOSSLESS_X86)
-  static uint64_t get() { return _mm_getcsr(); }
-  static void set(uint64_t m) { _mm_setcsr(static_cast<unsigned>(m)); }
-#else
-  static uint64_t get() { uint64_t m; __asm__ __volatile__("mrs %0, fpcr" : "=r"(m)); return m; }
-  static void set(uint64_t m) { __asm__ __volatile__("msr fpcr, %0" : : "r"(m)); }
-#endif
-};
-
-// A barrier for the threads of one parallel region: each waits, spinning, until all n have arrived. `local`
-// is the waiting thread's own sense (starts at 0).
-struct SpinBarrier {
-  std::atomic<int> count{0}, sense{0};
-  int n = 1;
-  void wait(int& local) {
-    local ^= 1;
-    if (count.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
-      count.store(0, std::memory_order_relaxed);
-      sense.store(local, std::memory_order_release);
-      return;
-    }
-    for (int64_t spins = 0; sense.load(std::memory_order_acquire) != local; ++spins) {
-#if defined(LOSSLESS_X86)
-      _mm_pause();
-#else
-      __asm__ __volatile__("yield");
-#endif
-      if (spins > 100000) std::this_thread::yield();  // more threads than cores: let the others run
-    }
-  }
-};
-
-void check_cpu(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor");
-  TORCH_CHECK(t.is_contiguous(), what, " must be contiguous");
+namespace isa_amx {
+#include "exact_api.h"
 }
-
-void check_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
-  check_cpu(x, "x");
-  check_cpu(packed, "packed weight");
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(0) * 16 >= n,
-              "linear: x [m, k] and a packed weight [panels, steps, 16 or 32] for n outputs");
-  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "linear: x and weight must share a dtype");
-  if (bias.has_value()) check_cpu(*bias, "bias");
-}
-
-// key/value [kv, n, d]: rows of d contiguous, one after another; any stride between kv heads (a cache that grows
-// in place holds each head's rows in a longer buffer)
-void check_rows(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor");
-  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && (t.size(1) <= 1 || t.stride(1) == t.size(2)), what,
-              " must hold its rows contiguously");
-}
-
-void check_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& visible) {
-  for (auto* t : {&query, &visible}) check_cpu(*t, "attention input");
-  check_rows(key, "attention key");
-  check_rows(value, "attention value");
-  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.sizes() == key.sizes(), "attention: q [q,h,d], k/v [kv,n,d]");
-  TORCH_CHECK(query.size(1) % key.size(0) == 0 && query.size(2) == key.size(2), "attention: head shapes");
-  TORCH_CHECK(visible.scalar_type() == at::kBool && visible.size(0) == query.size(0) && visible.size(1) == key.size(1),
-              "attention: visible [q, n] bool");
-  TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(), "attention: dtypes");
-}
-
-void check_rms_norm(const at::Tensor& x, const at::Tensor& w) {
-  check_cpu(x, "x");
-  check_cpu(w, "weight");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0), "rms_norm: x [m, c], weight [c]");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm: x and weight must share a dtype");
-}
-
-#define DISPATCH(dtype, NAME, ...)                                                       \
-  switch (dtype) {                                                                       \
-    case at::kFloat: { using scalar = float; __VA_ARGS__; break; }                       \
-    case at::kBFloat16: { using scalar = at::BFloat16; __VA_ARGS__; break; }             \
-    case at::kHalf: { using scalar = at::Half; __VA_ARGS__; break; }                     \
-    default: TORCH_CHECK(false, NAME ": fp32, bf16 or fp16 only");                      \
-  }
-
-}  // namespace
-
-#if defined(LOSSLESS_X86)
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,bmi,bmi2")
-namespace isa_amx {  // avx512bf16's kernels, with bf16 calls of enough rows on AMX tiles (inline assembly)
-#define LOSSLESS_V16_AVX512 1
-#define LOSSLESS_DPBF16 1
-#define LOSSLESS_AMX 1
-#include "exact_isa.h"
-#undef LOSSLESS_AMX
-#undef LOSSLESS_DPBF16
-#undef LOSSLESS_V16_AVX512
-}  // namespace isa_amx
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,bmi,bmi2")
 namespace isa_avx512bf16 {
-#define LOSSLESS_V16_AVX512 1
-#define LOSSLESS_DPBF16 1
-#include "exact_isa.h"
-#undef LOSSLESS_DPBF16
-#undef LOSSLESS_V16_AVX512
-}  // namespace isa_avx512bf16
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2")
+#include "exact_api.h"
+}
 namespace isa_avx512 {
-#define LOSSLESS_V16_AVX512 1
-#include "exact_isa.h"
-#undef LOSSLESS_V16_AVX512
-}  // namespace isa_avx512
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,bmi,bmi2")
+#include "exact_api.h"
+}
 namespace isa_avx2 {
-#define LOSSLESS_V16_AVX2 1
-#include "exact_isa.h"
-#undef LOSSLESS_V16_AVX2
-}  // namespace isa_avx2
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("fma")  // plain loops (the compiler may vectorise them: lane-wise, the same bits)
-namespace isa_scalar {
-#include "exact_isa.h"
-}  // namespace isa_scalar
-#pragma GCC pop_options
-#else
-namespace isa_scalar {
-#include "exact_isa.h"
-}  // namespace isa_scalar
+#include "exact_api.h"
+}
 #endif
+namespace isa_scalar {
+#include "exact_api.h"
+}
 
+// The Python submodule of variant NS: its entry points (`isa_NS`, defined in exact_NS.cpp)
 #define LOSSLESS_DEF_VARIANT(m, NS)                                                                               \
   do {                                                                                                            \
     auto sub = m.def_submodule(#NS);                                                                              \

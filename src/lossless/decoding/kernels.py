@@ -37,7 +37,10 @@ import torch
 from ..errors import LosslessError
 from ..paths import cache_dir
 
-SOURCES = (Path(__file__).with_name("exact_kernels.cpp"), Path(__file__).with_name("exact_isa.h"))
+# The module (bindings), one translation unit per variant (built in parallel), and the headers they share
+VARIANT_SOURCES = ("exact_amx.cpp", "exact_avx512bf16.cpp", "exact_avx512.cpp", "exact_avx2.cpp", "exact_scalar.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("exact_kernels.cpp", *VARIANT_SOURCES, "exact_common.h", "exact_api.h",
+                                                             "exact_isa.h"))
 # -ffp-contract=off: no multiply-add is fused behind our back (only the explicit ones); no -ffast-math, so
 # nothing is reassociated. No -march: each variant names its instructions with `#pragma GCC target`.
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
@@ -227,12 +230,55 @@ def build(cflags: list[str]):
     try:
         where.mkdir(parents=True, exist_ok=True)
         sources = _sources_in(where)
-        return cpp_extension.load(name=f"lossless_exact_{where.name}", sources=[str(sources[0])], extra_cflags=cflags,
-                                  extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
+        units = [str(copy) for copy in sources if copy.suffix == ".cpp"]
+        with _environ(MAX_JOBS=os.environ.get("MAX_JOBS") or str(build_jobs())):
+            return cpp_extension.load(name=f"lossless_exact_{where.name}", sources=units, extra_cflags=cflags,
+                                      extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
     except (OSError, RuntimeError, ImportError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise LosslessError(f"exact mode could not build its CPU kernels in {where} ({first[:160]}); it needs "
                             f"g++ and a writable $LOSSLESS_CACHE, or use --attn sdpa") from None
+
+
+BUILD_GB = 2.5  # about what g++ needs to compile one variant's file at -O3
+
+
+def build_jobs(cores: int | None = None, available_gb: float | None = None) -> int:
+    """How many of the kernels' files the build compiles at once: one per core, as many as the available memory
+    holds at BUILD_GB each, at least one ($MAX_JOBS, where set, decides instead)."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if available_gb is None:
+        available_gb = _available_gb()
+    by_memory = 1 + len(VARIANT_SOURCES) if available_gb is None else int(available_gb // BUILD_GB)
+    return max(1, min(cores, by_memory))
+
+
+def _available_gb() -> float | None:
+    """The memory the system can give without swapping (/proc/meminfo's MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@contextmanager
+def _environ(**values: str):
+    """These environment variables within the block, then as they were."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _ninja_dir() -> str | None:

@@ -1,0 +1,16 @@
+// Exact mode's `avx512bf16` variant: AVX-512 with the BF16 dot product.
+// The kernels are exact_isa.h's, built here in their own namespace under their own target: one translation
+// unit per variant, so the variants compile in parallel.
+
+#include "exact_common.h"
+
+#if defined(LOSSLESS_X86)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,bmi,bmi2")
+namespace isa_avx512bf16 {
+#define LOSSLESS_V16_AVX512 1
+#define LOSSLESS_DPBF16 1
+#include "exact_isa.h"
+}  // namespace isa_avx512bf16
+#pragma GCC pop_options
+#endif
