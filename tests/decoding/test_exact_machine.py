@@ -7,6 +7,7 @@ refused in one line."""
 import dataclasses
 import math
 import os
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -313,6 +314,12 @@ def test_the_build_compiles_as_many_files_at_once_as_the_cores_and_the_memory_al
     assert kernels.build_jobs(cores=3) == 3
 
 
+def test_the_kernel_digest_covers_every_source_file_the_build_reads():
+    package = {p.name for p in Path(kernels.__file__).parent.glob("exact_*") if p.suffix in (".cpp", ".h")}
+    assert {p.name for p in kernels.SOURCES} == package
+    assert {p.name for p in kernels.SOURCES if p.suffix == ".cpp"} == {"exact_kernels.cpp", *kernels.VARIANT_SOURCES}
+
+
 def test_a_build_compiles_every_variant_file_with_the_jobs_it_chose_and_leaves_the_environment_as_it_was(
         monkeypatch, tmp_path):
     from torch.utils import cpp_extension
@@ -324,10 +331,9 @@ def test_a_build_compiles_every_variant_file_with_the_jobs_it_chose_and_leaves_t
     monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **kw: seen.append(
         (os.environ.get("MAX_JOBS"), sorted(os.path.basename(s) for s in sources))) or "built")
     assert kernels.build(["-O0"]) == "built" and "MAX_JOBS" not in os.environ
-    cores = len(os.sched_getaffinity(0))
-    assert seen[0] == (str(min(cores, 2)), sorted(["exact_kernels.cpp", *kernels.VARIANT_SOURCES]))
+    assert seen[0] == (str(min(kernels._cores(), 2)), sorted(["exact_kernels.cpp", *kernels.VARIANT_SOURCES]))
     # the headers travel with them, into the build's own folder
-    assert {"exact_common.h", "exact_isa.h"} <= {p.name for p in tmp_path.glob("kernels/*/src/*")}
+    assert {"exact_common.h", "exact_api.h", "exact_isa.h"} <= {p.name for p in tmp_path.glob("kernels/*/src/*")}
     monkeypatch.setenv("MAX_JOBS", "3")  # the user's word decides
     kernels.build(["-O0"])
     assert seen[1][0] == "3" and os.environ["MAX_JOBS"] == "3"

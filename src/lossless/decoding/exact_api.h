@@ -1,6 +1,7 @@
 // The entry points of one variant of exact mode's kernels, declared: exact_isa.h defines them (in each variant's
 // file, under its own target) and exact_kernels.cpp binds them to Python. Included inside the variant's namespace
-// (isa_<variant>) in both, so a definition that parts from its declaration fails the build, not a call.
+// (isa_<variant>) in both. A definition that parts from its declaration is an overload of its own: the declared
+// function is then missing from the build, and loading the extension fails (an undefined symbol), never a call.
 // Arguments and results as exact_isa.h describes them at each definition.
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias);

@@ -145,8 +145,10 @@ def _build_key(cflags: list[str]) -> str:
 def source_digest() -> str:
     """sha256 (16 hex digits) of the kernel sources: what decoded a record, together with `isa()`."""
     digest = hashlib.sha256()
-    for source in SOURCES:
-        digest.update(source.read_bytes())
+    for source in SOURCES:  # each file's name and length, then its bytes: text moved between files is a change
+        data = source.read_bytes()
+        digest.update(f"{source.name}\0{len(data)}\0".encode())
+        digest.update(data)
     return digest.hexdigest()[:16]
 
 
@@ -245,9 +247,9 @@ BUILD_GB = 2.5  # about what g++ needs to compile one variant's file at -O3
 
 def build_jobs(cores: int | None = None, available_gb: float | None = None) -> int:
     """How many of the kernels' files the build compiles at once: one per core, as many as the available memory
-    holds at BUILD_GB each, at least one ($MAX_JOBS, where set, decides instead)."""
+    holds at BUILD_GB each (a container's limits included), at least one ($MAX_JOBS, where set, decides instead)."""
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = _cores()
     if available_gb is None:
         available_gb = _available_gb()
     by_memory = 1 + len(VARIANT_SOURCES) if available_gb is None else int(available_gb // BUILD_GB)
@@ -255,15 +257,33 @@ def build_jobs(cores: int | None = None, available_gb: float | None = None) -> i
 
 
 def _available_gb() -> float | None:
-    """The memory the system can give without swapping (/proc/meminfo's MemAvailable), None where unknown."""
+    """The memory this process can have without swapping: the system's (/proc/meminfo's MemAvailable) or, in a
+    container with a memory limit (cgroup v2), what is left under the limit, the smaller. None where unknown."""
+    found = []
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 2**20
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) / 2**30 if found else None
+
+
+def _cores() -> int:
+    """The cores this process may use: its CPU affinity, within a container's CPU quota (cgroup v2 cpu.max)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 @contextmanager
