@@ -233,3 +233,31 @@ def test_a_port_taken_before_the_server_binds_it_is_tried_again(server_binary, m
         server.close()
         taken.close()
     assert not server.log.exists()  # closing takes the log with the server
+
+
+def test_a_server_that_would_not_stop_on_sigterm_dies_with_its_audit(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    # the audit: starts a "server" that ignores SIGTERM (as a hung llama-server does), prints its pid, then is killed
+    audit = ("import os, subprocess, sys, time; from lossless.study import llamacpp; parent = os.getpid(); "
+             "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+             "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(120)'], "
+             "stdout=subprocess.PIPE, preexec_fn=lambda: llamacpp._die_with_parent(parent)); "
+             "child.stdout.readline(); print(child.pid, flush=True); time.sleep(120)")  # once it ignores SIGTERM
+    proc = subprocess.Popen([sys.executable, "-c", audit], stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for _ in range(100):
+        try:  # gone, or a zombie its new parent has yet to reap
+            if open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the server outlived its audit")

@@ -223,10 +223,11 @@ _PRCTL = _prctl()
 
 
 def _die_with_parent(parent: int) -> None:
-    """In the child before exec: a SIGKILLed audit takes its servers with it (Linux's parent-death signal; a
-    parent already gone by then is caught by the pid check)."""
+    """In the child before exec: an audit that dies takes its servers with it (Linux's parent-death signal; a
+    parent already gone by then is caught by the pid check). SIGKILL, not SIGTERM: a llama-server stopping on
+    SIGTERM can hang in its shutdown, and with its audit gone nothing would ever kill it."""
     if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:
         os._exit(1)
 
