@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def forward_cost(tree: Path, args) -> dict:
     """One forward_cost.py run of the checkout at `tree` (its own package first on the path): its JSON line."""
-    cmd = [sys.executable, str(tree / "benchmarks" / "forward_cost.py"), "--attn", "exact", "--dtype", args.dtype,
+    cmd = [sys.executable, str(tree / "benchmarks" / "forward_cost.py"), "--model", args.model, "--attn", "exact",
+           "--dtype", args.dtype,
            "--fused", "", "--rounds", str(args.rounds), "--threads", str(args.threads), "--cache", str(args.cache)]
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
@@ -44,6 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=12, help="forward_cost.py's rounds per run")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--model", default="smollm2-135m", help="forward_cost.py's --model (e.g. random:qwen3-1.7b)")
     ap.add_argument("--cache", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

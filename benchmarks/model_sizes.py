@@ -7,18 +7,20 @@ Each size is made once and cached (`$LOSSLESS_CACHE/random-models/NAME-bf16/`): 
 GGUF file of the same weights bit for bit (`study.llamacpp.write_gguf`) that llama.cpp's server reads. A forward's
 time depends on the shapes only, so these cost what the real models cost.
 
-Then, in `--repeats` rounds, each method in shuffled order and in a fresh process (so peaks do not mix):
-- `exact`, `stock`: `lossless.load_model(DIR, "bf16", attn=...)`, a warm-up decode, then greedy AR of `--tokens`
-  tokens after a 32-token prompt: tokens/s of the decode steps (the best of two decodes of N + 1 tokens minus the
-  best of three of 1 token, the prefill), and the process's peak resident memory;
-- `llama.cpp`: llama-server (`make llama-server`) with the same threads, a warm-up request, then greedy decodes of
-  `--tokens` tokens after the same prompt ids (end-of-generation ignored): llama.cpp's own decode time (its
-  "predicted" timing, from the first token to the last, so N - 1 forwards; the better of two), and the server's
-  peak resident memory.
+Two phases per size, nothing else running meanwhile:
+1. **Peak memory**, each method once (`--repeats` times) in shuffled order, each in a fresh process (so peaks do not
+   mix): `exact` and `stock` load the model (`lossless.load_model(DIR, "bf16", attn=...)`), warm up and decode; their
+   process's peak resident memory. `llama.cpp`: llama-server (`make llama-server`) with the same threads, the same
+   decodes; the server's peak. Each run's tokens/s is printed too (a fresh process's, before the machine settles).
+2. **Speed, paired**: one process holds every method at once (our models loaded, a llama-server beside them), warms
+   each up, then in `--rounds` rounds decodes with each method in shuffled order, seconds apart: `--tokens` greedy
+   tokens after a 32-token prompt. Ours: tokens / (a decode of N + 1 tokens minus one of 1 token, the prefill);
+   llama.cpp: its own decode time (its "predicted" timing, from the first token to the last, so N - 1 forwards).
+   Each round's ratios pair methods measured within seconds of each other, so the machine's memory bandwidth,
+   which moves by half between minutes on a shared VM, cancels.
 Prints a table per size (medians; ratios paired by round with a 95% t-interval) and, last, one JSON line.
-Nothing else may run meanwhile.
 
-    python benchmarks/model_sizes.py --sizes qwen3-0.6b,llama-3.2-1b,qwen3-1.7b --tokens 32 --repeats 3 --threads 2
+    python benchmarks/model_sizes.py --sizes qwen3-0.6b,llama-3.2-1b,qwen3-1.7b --tokens 32 --rounds 10 --threads 2
 
 The forward cost against rows at these sizes and the speed-up the shipped head's tokens per cycle would give there
 come from `forward_cost.py --model random:NAME --tokens-per-cycle T`.
@@ -68,6 +70,59 @@ whole = min(run(n + 1) for _ in range(2))
 peak = next(int(l.split()[1]) / 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
 print(json.dumps({"tokens_per_s": n / (whole - prefill), "peak_mib": peak}))
 """
+
+
+PAIRED = r"""
+import json, random, sys, time, torch
+import lossless
+from lossless.decoding.loop import DecodeConfig, decode
+from lossless.study import llamacpp
+path, methods, threads, n, rounds, seed = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4]), \
+    int(sys.argv[5]), int(sys.argv[6])
+prompt = json.loads(sys.argv[7])
+torch.set_num_threads(threads)
+models = {m: lossless.load_model(path, "bf16", attn={"exact": "exact", "stock": "sdpa"}[m]) for m in methods
+          if m != "llama.cpp"}
+server = llamacpp.Server(llamacpp.require_server(), path + "/model.gguf", threads) if "llama.cpp" in methods else None
+def ours(model, k):
+    t = time.perf_counter()
+    state = decode(model, prompt, "ar", DecodeConfig(max_new_tokens=k, eos_ids=(-1,)))
+    assert len(state.generated) == k, (len(state.generated), k)
+    return time.perf_counter() - t
+def tokens_per_s(m):
+    if m == "llama.cpp":
+        d = server.decode(prompt, n, ignore_eos=True)
+        return (len(d.ids) - 1) / d.decode_seconds
+    return n / (ours(models[m], n + 1) - ours(models[m], 1))
+try:
+    if server is not None:
+        server.start()
+    for m in methods:  # warm-up: exact mode packs its weights on its first forward, and every page is touched
+        tokens_per_s(m)
+    rng, out = random.Random(seed), {m: [] for m in methods}
+    for r in range(rounds):
+        order = list(methods)
+        rng.shuffle(order)
+        for m in order:
+            time.sleep(0.2)  # the other engine's threads asleep
+            out[m].append(tokens_per_s(m))
+        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{m} {out[m][-1]:.2f}" for m in methods), file=sys.stderr,
+              flush=True)
+finally:
+    if server is not None:
+        server.close()
+print(json.dumps(out))
+"""
+
+
+def paired(path: Path, methods: list[str], threads: int, tokens: int, rounds: int, seed: int) -> dict:
+    """Phase 2: {method: tokens/s per round}, every method in one process, shuffled within each round."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    done = subprocess.run([sys.executable, "-c", PAIRED, str(path), ",".join(methods), str(threads), str(tokens),
+                           str(rounds), str(seed), json.dumps(PROMPT)], stdout=subprocess.PIPE, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"the paired runs on {path.name} failed (exit {done.returncode}): see above")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def made(name: str) -> Path:
@@ -126,7 +181,8 @@ def main(argv=None) -> int:
                     help=f"comma-separated, from {', '.join(forward_cost.SHAPES)}")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--tokens", type=int, default=32, help="tokens decoded after the prompt")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=1, help="fresh-process runs of each method (peak memory)")
+    ap.add_argument("--rounds", type=int, default=10, help="paired rounds of every method (speed)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0, help="of the methods' shuffled order")
     args = ap.parse_args(argv)
@@ -146,7 +202,7 @@ def main(argv=None) -> int:
         print(f"model_sizes: error: {exc}", file=sys.stderr)
         return 2
     rng = random.Random(args.seed)
-    runs = {(s, m): [] for s in sizes for m in methods}
+    runs = {(s, m): [] for s in sizes for m in methods}  # the fresh processes' (peaks)
     for r in range(args.repeats):
         for s in sizes:
             order = list(methods)
@@ -158,19 +214,28 @@ def main(argv=None) -> int:
                 runs[(s, m)].append(out)
                 print(f"round {r + 1}/{args.repeats} {s} {m}: {out['tokens_per_s']:.2f} tokens/s, peak "
                       f"{out['peak_mib']:.0f} MiB ({time.perf_counter() - t:.0f} s)", file=sys.stderr)
+    speed = {}
+    for s in sizes:
+        t = time.perf_counter()
+        print(f"{s}: {args.rounds} paired rounds of {', '.join(methods)}", file=sys.stderr)
+        speed[s] = paired(paths[s], methods, args.threads, args.tokens, args.rounds, rng.randrange(2**31))
+        print(f"{s}: paired rounds done ({time.perf_counter() - t:.0f} s)", file=sys.stderr)
     base = "llama.cpp" if "llama.cpp" in methods else methods[-1]
     result = {"machine": platform.processor() or platform.machine(), "threads": args.threads, "tokens": args.tokens,
-              "repeats": args.repeats, "sizes": {}}
-    print(f"threads={args.threads} tokens={args.tokens} repeats={args.repeats} (medians; ratios paired by round, 95% CI)")
+              "repeats": args.repeats, "rounds": args.rounds, "sizes": {}}
+    print(f"threads={args.threads} tokens={args.tokens} rounds={args.rounds} (tokens/s: medians of the paired rounds; "
+          f"ratios paired by round, 95% CI; peaks: fresh processes)")
     print(f"{'size':<14}{'method':<11}{'tokens/s':>10}{'vs ' + base:>28}{'peak MiB':>10}{'vs stock':>10}")
     for s in sizes:
         rows = {}
         for m in methods:
-            tps = [x["tokens_per_s"] for x in runs[(s, m)]]
+            tps = speed[s][m]
             peaks = [x["peak_mib"] for x in runs[(s, m)] if x["peak_mib"]]
-            ratios = [a / b for a, b in zip(tps, (x["tokens_per_s"] for x in runs[(s, base)]))]
+            ratios = [a / b for a, b in zip(tps, speed[s][base])]
             row = {"tokens_per_s": round(statistics.median(tps), 2), f"vs_{base}": round(statistics.median(ratios), 3),
-                   "ci95": [round(x, 3) for x in interval(ratios)], "peak_mib": round(max(peaks)) if peaks else None}
+                   "ci95": [round(x, 3) for x in interval(ratios)], "peak_mib": round(max(peaks)) if peaks else None,
+                   "rounds": [round(x, 3) for x in tps],
+                   "fresh_tokens_per_s": [round(x["tokens_per_s"], 2) for x in runs[(s, m)]]}
             rows[m] = row
         for m, row in rows.items():
             stock = rows.get("stock", {}).get("peak_mib")

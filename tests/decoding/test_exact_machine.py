@@ -121,8 +121,26 @@ def test_the_layer_stack_gives_the_bits_of_the_layer_calls(dtype, data):
     assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, n, m, cap, valid)
 
 
-def assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, n, m, cap, valid):
-    """A Stack forward over `layers` gives the bits of the layer calls, for every variant and thread count."""
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 9])
+def test_a_thread_held_up_has_its_panels_taken_and_the_bits_stay(dtype, m):
+    """The stack's last thread waits before every linear step: the others take its panels from the back of its
+    share (counted), and every output and cache row keeps the layer calls' bits, for every variant and thread
+    count."""
+    g = torch.Generator().manual_seed(m)
+    make = lambda s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    n = 20
+    layers = random_layers(dtype, make, 2, True, True)
+    x, cos, sin = make((m, 37)), make((m, 10)), make((m, 10))
+    visible = torch.ones(m, n + m, dtype=torch.bool).tril(n)
+    caches = [(make((1, 2, n + m, 10)), make((1, 2, n + m, 10))) for _ in layers]
+    assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, n, m, n + m, n, stall=2000)
+
+
+def assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, n, m, cap, valid, stall=0):
+    """A Stack forward over `layers` gives the bits of the layer calls, for every variant and thread count (with
+    `stall`, its last thread held up that many microseconds before each linear step, and some of its panels taken
+    by the others)."""
     def by_layers():
         h, rows = x, []
         for args, cache in zip(layers, caches):
@@ -163,8 +181,14 @@ def assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, 
             for threads in (1, 2, 3):
                 torch.set_num_threads(threads)
                 with kernels.use_isa(isa):
-                    for i, (a, b) in enumerate(zip(stacked(), want)):
-                        assert torch.equal(nan_bits(a), b), (isa, threads, i)
+                    kernels.ops().set_stack_stall(stall)
+                    try:
+                        for i, (a, b) in enumerate(zip(stacked(), want)):
+                            assert torch.equal(nan_bits(a), b), (isa, threads, i)
+                        if stall and threads > 1:
+                            assert kernels.ops().stack_steals() > 0, (isa, threads)
+                    finally:
+                        kernels.ops().set_stack_stall(0)
     finally:
         torch.set_num_threads(before)
 

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cerrno>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <type_traits>

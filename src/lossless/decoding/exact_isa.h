@@ -1848,7 +1848,6 @@ void Stack::add(const at::Tensor& norm_in, double eps_in, const std::vector<at::
                     bias_in, packed_out, bias_out, n_in, n_out});
 }
 
-
 // The cache's keys kept a second time as tiles, for attention's scores to read with plain loads: per kv head,
 // tiles of 16 positions, [kv, tiles, steps, 16] 32-bit words, position p's step i at lane p % 16 of tile p / 16;
 // a step is one fp32 key element, or for two-byte keys a pair (element 2i low, 2i + 1 high; zero past d).
@@ -1866,6 +1865,11 @@ inline void write_tile(uint32_t* tiles, int64_t tcap, int64_t kv, int64_t pos, c
     for (int64_t i = 0; i < d; ++i) w[i * LANES] = word_of(key[i]);
   }
 }
+
+inline int64_t& stack_stall() { static int64_t microseconds = 0; return microseconds; }
+inline std::atomic<int64_t>& steals() { static std::atomic<int64_t> panels{0}; return panels; }
+int64_t set_stack_stall(int64_t microseconds) { return std::exchange(stack_stall(), std::max<int64_t>(0, microseconds)); }
+int64_t stack_steals() { return steals().load(); }
 
 template <typename T>
 struct StackRun {
@@ -1919,13 +1923,56 @@ struct StackRun {
     e = std::min(total, units * (t + 1) / threads * unit);
   }
 
-  void linear(const Rows<T>& rows, const std::vector<Weight<T>>& weights, int t, int threads) const {
+  // A linear step's panels, claimed 4 at a time: each thread from the front of its own share (one stream from
+  // its start, as a static split reads it), then from the back of the others' shares, so a thread the machine
+  // holds up is helped instead of waited for at the barrier. Which thread computes a panel never changes its
+  // bits. A share's word: the step's generation (16 bits), front (24), back (24); the first thread to touch a
+  // share in a step writes its bounds (every thread computes the same ones).
+  struct alignas(64) Claim {
+    std::atomic<uint64_t> word{0};
+  };
+  std::unique_ptr<Claim[]> claims;
+  static constexpr int64_t CLAIM = 4;
+
+  bool claim(int owner, bool front, uint64_t gen, int64_t total, int threads, int64_t& p0, int64_t& p1) const {
+    std::atomic<uint64_t>& word = claims[owner].word;
+    uint64_t cur = word.load(std::memory_order_acquire);
+    for (;;) {
+      if (cur >> 48 != gen) {
+        int64_t b, e;
+        share(total, owner, threads, CLAIM, b, e);
+        const uint64_t fresh = gen << 48 | static_cast<uint64_t>(b) << 24 | static_cast<uint64_t>(e);
+        if (word.compare_exchange_weak(cur, fresh, std::memory_order_acq_rel, std::memory_order_acquire)) cur = fresh;
+        continue;
+      }
+      const int64_t f = static_cast<int64_t>(cur >> 24 & 0xFFFFFF), back = static_cast<int64_t>(cur & 0xFFFFFF);
+      if (f >= back) return false;
+      // from the back: the piece that ends the share, so the rest stays in whole units from a unit's start
+      const int64_t c = std::min(back - f, front || back % CLAIM == 0 ? CLAIM : back % CLAIM);
+      const uint64_t next = gen << 48 | static_cast<uint64_t>(front ? f + c : f) << 24 |
+                            static_cast<uint64_t>(front ? back : back - c);
+      if (word.compare_exchange_weak(cur, next, std::memory_order_acq_rel, std::memory_order_acquire)) {
+        p0 = front ? f : back - c;
+        p1 = front ? f + c : back;
+        return true;
+      }
+    }
+  }
+
+  void linear(const Rows<T>& rows, const std::vector<Weight<T>>& weights, int t, int threads, uint64_t& step) const {
     int64_t total = 0;
     for (const Weight<T>& w : weights) total += w.panels;
-    int64_t g0, g1;
-    share(total, t, threads, 4, g0, g1);
+    const uint64_t gen = ++step % 0xFFFF + 1;  // 1..65535: never a fresh word's 0
+    if (stack_stall() && t == threads - 1 && threads > 1)
+      std::this_thread::sleep_for(std::chrono::microseconds(stack_stall()));
     const FlushDenormals flush;
-    linear_panels(rows, m, weights, g0, g1);
+    int64_t p0, p1;
+    while (claim(t, true, gen, total, threads, p0, p1)) linear_panels(rows, m, weights, p0, p1);
+    for (int o = 1; o < threads; ++o)
+      while (claim((t + o) % threads, false, gen, total, threads, p0, p1)) {
+        linear_panels(rows, m, weights, p0, p1);
+        steals().fetch_add(p1 - p0, std::memory_order_relaxed);
+      }
   }
 
   static const T* bias_of(const at::Tensor& b) { return b.numel() ? b.data_ptr<T>() : nullptr; }
@@ -1955,6 +2002,7 @@ struct StackRun {
     AttentionScratch scratch(d_most);
     std::array<int64_t, 4> split_shape{};  // what split_scratch was last sized for
     int64_t b, e;
+    uint64_t step = 0;  // the linear steps so far (the same count on every thread)
     for (size_t l = 0; l < stack.layers.size(); ++l) {
       const Stack::Layer& L = stack.layers[l];
       const int64_t hd = L.head_dim, nq = L.n_in[0], nk = L.n_in[1], heads = nq / hd, kvh = nk / hd;
@@ -1970,7 +2018,7 @@ struct StackRun {
       sync();
       // 2. q, k, v
       linear(rows_in, {weight(L.packed_in[0], L.bias_in[0], nq, q.data()), weight(L.packed_in[1], L.bias_in[1], nk, k.data()),
-                       weight(L.packed_in[2], L.bias_in[2], nk, v.data())}, t, threads);
+                       weight(L.packed_in[2], L.bias_in[2], nk, v.data())}, t, threads, step);
       sync();
       // 3. by (row, head): q/k norms (the kernel's), rotary (ATen's rounding), keys and values into the cache
       share(m * (heads + kvh), t, threads, 1, b, e);
@@ -2045,7 +2093,7 @@ struct StackRun {
       rows_a.fill_flat(a.data(), b, e);
       sync();
       // 6. o
-      linear(rows_a, {weight(L.packed_out[0], L.bias_out[0], hidden, o.data())}, t, threads);
+      linear(rows_a, {weight(L.packed_out[0], L.bias_out[0], hidden, o.data())}, t, threads, step);
       sync();
       // 7. residual, post-attention norm, by rows
       share(m, t, threads, 1, b, e);
@@ -2053,7 +2101,7 @@ struct StackRun {
       sync();
       // 8. gate and up
       linear(rows_h, {weight(L.packed_out[1], L.bias_out[1], inter, g.data()),
-                      weight(L.packed_out[2], L.bias_out[2], inter, u.data())}, t, threads);
+                      weight(L.packed_out[2], L.bias_out[2], inter, u.data())}, t, threads, step);
       sync();
       // 9. SiLU(gate) (the kernel's) * up (ATen's rounding), and down's input, by pair steps of the rows (bf16: two
       // steps at a time, the four inputs of a group, as the columns computed here are a range)
@@ -2075,7 +2123,7 @@ struct StackRun {
       }
       sync();
       // 10. down
-      linear(rows_act, {weight(L.packed_out[3], L.bias_out[3], hidden, d.data())}, t, threads);
+      linear(rows_act, {weight(L.packed_out[3], L.bias_out[3], hidden, d.data())}, t, threads, step);
       sync();
     }
     // the last layer's MLP residual
@@ -2096,12 +2144,16 @@ at::Tensor stack_forward(const Stack& s, const at::Tensor& x, const at::Tensor& 
   for (const Stack::Layer& L : s.layers) {
     inter = std::max(inter, L.n_out[1]);
     nq = std::max(nq, L.n_in[0]);
+    TORCH_CHECK((L.n_in[0] + 2 * L.n_in[1] + 2 * L.n_out[1]) / LANES < (int64_t{1} << 23),
+                "Stack.forward: a linear step of more than 2^23 panels");  // a claim's word holds 24 bits
   }
   run.rows_in.resize(m, run.hidden);
   run.rows_h.resize(m, run.hidden);
   run.rows_a.resize(m, nq);
   run.rows_act.resize(m, inter);
   const int threads = std::max(1, at::get_num_threads());
+  run.claims = std::make_unique<typename StackRun<T>::Claim[]>(static_cast<size_t>(threads));
+  steals().store(0);
 #pragma omp parallel num_threads(threads)
   {
     const uint64_t own = FloatMode::get();
@@ -2114,9 +2166,9 @@ at::Tensor stack_forward(const Stack& s, const at::Tensor& x, const at::Tensor& 
 }
 
 at::Tensor Stack::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                                 const at::Tensor& visible, const std::vector<at::Tensor>& keys,
-                                 const std::vector<at::Tensor>& values, const std::vector<at::Tensor>& tiles,
-                                 const std::vector<int64_t>& valid, int64_t n) const {
+                          const at::Tensor& visible, const std::vector<at::Tensor>& keys,
+                          const std::vector<at::Tensor>& values, const std::vector<at::Tensor>& tiles,
+                          const std::vector<int64_t>& valid, int64_t n) const {
   TORCH_CHECK(!layers.empty(), "Stack.forward: no layers");
   const Layer& first = layers[0];
   const int64_t m = x.size(0), d = first.head_dim, kvh = first.n_in[1] / d;
