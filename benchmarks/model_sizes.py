@@ -241,8 +241,8 @@ def main(argv=None) -> int:
             stock = rows.get("stock", {}).get("peak_mib")
             row["peak_vs_stock"] = round(row["peak_mib"] / stock, 3) if stock and row["peak_mib"] else None
             ci = f"{row[f'vs_{base}']:.2f}x [{row['ci95'][0]:.2f}, {row['ci95'][1]:.2f}]"
-            print(f"{s:<14}{m:<11}{row['tokens_per_s']:>10.2f}{ci:>28}{row['peak_mib'] or 0:>10}"
-                  f"{row['peak_vs_stock'] or 0:>10.2f}")
+            vs_stock = f"{row['peak_vs_stock']:.2f}" if row["peak_vs_stock"] else "-"
+            print(f"{s:<14}{m:<11}{row['tokens_per_s']:>10.2f}{ci:>28}{row['peak_mib'] or '-':>10}{vs_stock:>10}")
         result["sizes"][s] = rows
     print(json.dumps(result))
     return 0
