@@ -18,7 +18,8 @@ Two phases per size, nothing else running meanwhile:
    llama.cpp: its own decode time (its "predicted" timing, from the first token to the last, so N - 1 forwards).
    Each round's ratios pair methods measured within seconds of each other, so the machine's memory bandwidth,
    which moves by half between minutes on a shared VM, cancels.
-Prints a table per size (medians; ratios paired by round with a 95% t-interval) and, last, one JSON line.
+Prints a table per size (tokens/s: medians; ratios: the geometric mean of the rounds' paired ratios with its 95%
+t-interval) and, last, one JSON line.
 
     python benchmarks/model_sizes.py --sizes qwen3-0.6b,llama-3.2-1b,qwen3-1.7b --tokens 32 --rounds 10 --threads 2
 
@@ -161,6 +162,10 @@ def llama(path: Path, threads: int, tokens: int) -> dict:
         server.close()
 
 
+def geomean(ratios: list[float]) -> float:
+    return math.exp(statistics.mean(math.log(r) for r in ratios))
+
+
 def interval(ratios: list[float]) -> list[float]:
     """95% t-interval of the geometric mean of paired ratios."""
     from scipy import stats
@@ -224,7 +229,7 @@ def main(argv=None) -> int:
     result = {"machine": platform.processor() or platform.machine(), "threads": args.threads, "tokens": args.tokens,
               "repeats": args.repeats, "rounds": args.rounds, "sizes": {}}
     print(f"threads={args.threads} tokens={args.tokens} rounds={args.rounds} (tokens/s: medians of the paired rounds; "
-          f"ratios paired by round, 95% CI; peaks: fresh processes)")
+          f"ratios: geometric mean of the rounds' paired ratios, 95% CI; peaks: fresh processes)")
     print(f"{'size':<14}{'method':<11}{'tokens/s':>10}{'vs ' + base:>28}{'peak MiB':>10}{'vs stock':>10}")
     for s in sizes:
         rows = {}
@@ -232,7 +237,7 @@ def main(argv=None) -> int:
             tps = speed[s][m]
             peaks = [x["peak_mib"] for x in runs[(s, m)] if x["peak_mib"]]
             ratios = [a / b for a, b in zip(tps, speed[s][base])]
-            row = {"tokens_per_s": round(statistics.median(tps), 2), f"vs_{base}": round(statistics.median(ratios), 3),
+            row = {"tokens_per_s": round(statistics.median(tps), 2), f"vs_{base}": round(geomean(ratios), 3),
                    "ci95": [round(x, 3) for x in interval(ratios)], "peak_mib": round(max(peaks)) if peaks else None,
                    "rounds": [round(x, 3) for x in tps],
                    "fresh_tokens_per_s": [round(x["tokens_per_s"], 2) for x in runs[(s, m)]]}

@@ -122,11 +122,12 @@ def test_the_layer_stack_gives_the_bits_of_the_layer_calls(dtype, data):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m", [1, 9])
-def test_a_thread_held_up_has_its_panels_taken_and_the_bits_stay(dtype, m):
-    """The stack's last thread waits before every linear step: the others take its panels from the back of its
-    share (counted), and every output and cache row keeps the layer calls' bits, for every variant and thread
-    count."""
+@pytest.mark.parametrize("m,stall", [(1, 2000), (9, 2000), (1, 20), (9, 20)])
+def test_a_thread_held_up_has_its_panels_taken_and_the_bits_stay(dtype, m, stall):
+    """The stack's last thread waits before every linear step: the others take panels from the back of its share
+    (a long wait: they take some, counted; a short one: its owner and the others race for the same share), every
+    panel runs exactly once, and every output and cache row keeps the layer calls' bits, for every variant and
+    thread count."""
     g = torch.Generator().manual_seed(m)
     make = lambda s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
     n = 20
@@ -134,13 +135,34 @@ def test_a_thread_held_up_has_its_panels_taken_and_the_bits_stay(dtype, m):
     x, cos, sin = make((m, 37)), make((m, 10)), make((m, 10))
     visible = torch.ones(m, n + m, dtype=torch.bool).tril(n)
     caches = [(make((1, 2, n + m, 10)), make((1, 2, n + m, 10))) for _ in layers]
-    assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, n, m, n + m, n, stall=2000)
+    assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, n, m, n + m, n, stall=stall)
+
+
+def test_stack_add_refuses_packed_weights_that_do_not_match_the_layer():
+    """A packed weight of another dtype or of more pair steps than its inputs need, or a bias of another length,
+    is refused when the layer is added (nothing may throw later, inside the forward's parallel region)."""
+    g = torch.Generator().manual_seed(0)
+    make = lambda s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
+    args = random_layers(torch.bfloat16, make, 1, True, True)[0]
+    wrong = [
+        (2, 0, kernels.pack_weight(torch.randn(40, 37, generator=g))),  # q packed from fp32
+        (2, 1, kernels.pack_weight(make((20, 70)))),  # k over 70 inputs, not 37
+        (10, 3, kernels.pack_weight(make((37, 70)))),  # down over 70 inputs, not the MLP's 45
+        (11, 0, make((36,))),  # o's bias one short
+    ]
+    for at, i, tensor in wrong:
+        bad = list(args)
+        bad[at] = [tensor if j == i else t for j, t in enumerate(args[at])]
+        with pytest.raises(RuntimeError, match="Stack.add: a (packed weight|bias)"):
+            kernels.stack().add(*bad)
+    kernels.stack().add(*args)  # the layer as made
 
 
 def assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, n, m, cap, valid, stall=0):
-    """A Stack forward over `layers` gives the bits of the layer calls, for every variant and thread count (with
-    `stall`, its last thread held up that many microseconds before each linear step, and some of its panels taken
-    by the others)."""
+    """A Stack forward over `layers` gives the bits of the layer calls, for every variant and thread count, each
+    panel of its linear steps run once (with `stall`, its last thread held up that many microseconds before each
+    linear step; from a millisecond, some of its panels taken by the others)."""
+    panels = sum(p.shape[0] for args in layers for p in (*args[2], *args[10]))
     def by_layers():
         h, rows = x, []
         for args, cache in zip(layers, caches):
@@ -185,8 +207,10 @@ def assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, 
                     try:
                         for i, (a, b) in enumerate(zip(stacked(), want)):
                             assert torch.equal(nan_bits(a), b), (isa, threads, i)
-                        if stall and threads > 1:
-                            assert kernels.ops().stack_steals() > 0, (isa, threads)
+                        granted, ran, taken = kernels.ops().stack_counts()
+                        assert 1 <= granted <= threads and ran == panels, (isa, threads, granted, ran, panels)
+                        if stall >= 1000 and granted > 1:
+                            assert taken > 0, (isa, threads)
                     finally:
                         kernels.ops().set_stack_stall(0)
     finally:

@@ -30,9 +30,9 @@ int64_t amx_min_rows();
 int64_t set_amx_rows(int64_t rows);
 bool set_tile_emulation(bool on);
 // the layer stack's linear steps, for tests: its last thread waits `microseconds` before each one (the others
-// take its panels); how many panels the last forward's threads took from the others' shares
+// take its panels); the last forward's [threads, panels run, panels taken from another thread's share]
 int64_t set_stack_stall(int64_t microseconds);
-int64_t stack_steals();
+std::vector<int64_t> stack_counts();
 
 // Every decoder layer of one forward in one call (exact_isa.h, "the layer stack").
 struct Stack {

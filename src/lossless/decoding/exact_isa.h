@@ -717,6 +717,27 @@ inline void amx_finish(const Weight<at::BFloat16>& wt, int64_t m, int64_t r0, in
 // everything around them as on AMX (the tiles of x, the B tiles rebuilt, the starting sums, the stores)
 inline bool& tile_emulation() { static bool on = false; return on; }
 
+// This thread's tile configuration, held from the outermost holder to its end: a layer stack's linear step
+// configures the tiles once for all the claims of panels it runs, instead of once a claim
+struct TileHold {
+  bool mine = false;
+  explicit TileHold(bool want) {
+    if (want && !tile_emulation() && !held()) {
+      amx_configure();
+      held() = mine = true;
+    }
+  }
+  ~TileHold() {
+    if (mine) {
+      amx_release();
+      held() = false;
+    }
+  }
+  TileHold(const TileHold&) = delete;
+  TileHold& operator=(const TileHold&) = delete;
+  static bool& held() { thread_local bool on = false; return on; }
+};
+
 // J tiles of C (+=) A (16 rows of x from a, row stride a_stride bytes) times the B tiles of chunk c of each panel
 inline void emulated_dp(float (*c)[16][16], int J, const uint16_t* a, int64_t a_stride, const uint32_t* bc,
                         int64_t panel_words) {
@@ -792,12 +813,10 @@ inline void amx_panels(const Rows<at::BFloat16>& x, int64_t m, const Weight<at::
 inline void amx_range(const Rows<at::BFloat16>& x, int64_t m, const Weight<at::BFloat16>& wt, int64_t p0, int64_t p1) {
   thread_local std::vector<uint32_t> b;
   alignas(64) float buf[16 * LANES];
-  const bool tiles = !tile_emulation();
-  if (tiles) amx_configure();
+  const TileHold hold(true);
   int64_t p = p0;
   for (; p + 4 <= p1; p += 4) amx_panels<4>(x, m, wt, p, b, buf);
   for (; p < p1; ++p) amx_panels<1>(x, m, wt, p, b, buf);
-  if (tiles) amx_release();
 }
 #endif
 
@@ -1837,6 +1856,27 @@ void Stack::add(const at::Tensor& norm_in, double eps_in, const std::vector<at::
                   norm_out.sizes() == norm_in.sizes() && n_out[0] == norm_in.size(0) && n_out[3] == norm_in.size(0),
               "Stack.add: the shapes of a Llama/Qwen3 layer");
   for (const at::Tensor& t : {norm_in, norm_out}) check_cpu(t, "norm weight");
+  // every tensor the forward reads as the layer's dtype, each packed weight of its outputs and inputs: checked
+  // here, since nothing may throw inside the forward's parallel region
+  const at::ScalarType dtype = norm_in.scalar_type();
+  const int64_t hidden = norm_in.size(0);
+  const auto check_packed = [&](const at::Tensor& p, const at::Tensor& bias, int64_t n, int64_t k) {
+    check_cpu(p, "packed weight");
+    const bool pairs = dtype == at::kBFloat16;
+    const int64_t steps = pairs ? (k + 31) / 32 * CHUNK_STEPS : k;
+    TORCH_CHECK(p.scalar_type() == dtype && p.dim() == 3 && p.size(0) * LANES >= n &&
+                    p.numel() == p.size(0) * steps * LANES * (pairs ? 2 : 1),
+                "Stack.add: a packed weight that does not match its layer (pack it with kernels.pack_weight)");
+    TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == dtype && bias.numel() == n && bias.is_contiguous()),
+                "Stack.add: a bias of the layer's dtype and outputs");
+  };
+  for (int i = 0; i < 3; ++i) check_packed(packed_in[i], bias_in[i], n_in[i], hidden);
+  check_packed(packed_out[0], bias_out[0], n_out[0], n_in[0]);
+  check_packed(packed_out[1], bias_out[1], n_out[1], hidden);
+  check_packed(packed_out[2], bias_out[2], n_out[2], hidden);
+  check_packed(packed_out[3], bias_out[3], n_out[3], n_out[1]);
+  for (const at::Tensor& t : {norm_out, q_norm, k_norm})
+    TORCH_CHECK(t.numel() == 0 || t.scalar_type() == dtype, "Stack.add: norm weights of the layer's dtype");
   if (!layers.empty()) {
     const Layer& first = layers[0];
     TORCH_CHECK(first.n_in == n_in && first.n_out == n_out && first.head_dim == head_dim &&
@@ -1866,10 +1906,18 @@ inline void write_tile(uint32_t* tiles, int64_t tcap, int64_t kv, int64_t pos, c
   }
 }
 
+// The last Stack forward's threads, the panels its linear steps ran and how many of them a thread took from
+// another's share (tests)
+struct StackCounts {
+  std::atomic<int64_t> threads{0}, panels{0}, taken{0};
+};
+inline StackCounts& stack_counted() { static StackCounts c; return c; }
 inline int64_t& stack_stall() { static int64_t microseconds = 0; return microseconds; }
-inline std::atomic<int64_t>& steals() { static std::atomic<int64_t> panels{0}; return panels; }
 int64_t set_stack_stall(int64_t microseconds) { return std::exchange(stack_stall(), std::max<int64_t>(0, microseconds)); }
-int64_t stack_steals() { return steals().load(); }
+std::vector<int64_t> stack_counts() {
+  const StackCounts& c = stack_counted();
+  return {c.threads.load(), c.panels.load(), c.taken.load()};
+}
 
 template <typename T>
 struct StackRun {
@@ -1966,13 +2014,21 @@ struct StackRun {
     if (stack_stall() && t == threads - 1 && threads > 1)
       std::this_thread::sleep_for(std::chrono::microseconds(stack_stall()));
     const FlushDenormals flush;
-    int64_t p0, p1;
-    while (claim(t, true, gen, total, threads, p0, p1)) linear_panels(rows, m, weights, p0, p1);
+#if defined(LOSSLESS_AMX)
+    const TileHold hold(rows.amx);
+#endif
+    int64_t p0, p1, own = 0, taken = 0;
+    while (claim(t, true, gen, total, threads, p0, p1)) {
+      linear_panels(rows, m, weights, p0, p1);
+      own += p1 - p0;
+    }
     for (int o = 1; o < threads; ++o)
       while (claim((t + o) % threads, false, gen, total, threads, p0, p1)) {
         linear_panels(rows, m, weights, p0, p1);
-        steals().fetch_add(p1 - p0, std::memory_order_relaxed);
+        taken += p1 - p0;
       }
+    stack_counted().panels.fetch_add(own + taken, std::memory_order_relaxed);
+    if (taken) stack_counted().taken.fetch_add(taken, std::memory_order_relaxed);
   }
 
   static const T* bias_of(const at::Tensor& b) { return b.numel() ? b.data_ptr<T>() : nullptr; }
@@ -2144,8 +2200,14 @@ at::Tensor stack_forward(const Stack& s, const at::Tensor& x, const at::Tensor& 
   for (const Stack::Layer& L : s.layers) {
     inter = std::max(inter, L.n_out[1]);
     nq = std::max(nq, L.n_in[0]);
-    TORCH_CHECK((L.n_in[0] + 2 * L.n_in[1] + 2 * L.n_out[1]) / LANES < (int64_t{1} << 23),
-                "Stack.forward: a linear step of more than 2^23 panels");  // a claim's word holds 24 bits
+    const auto panels = [](const std::vector<at::Tensor>& p, size_t a, size_t b) {
+      int64_t sum = 0;
+      for (size_t i = a; i < b; ++i) sum += p[i].size(0);
+      return sum;
+    };
+    for (const int64_t step : {panels(L.packed_in, 0, 3), panels(L.packed_out, 0, 1), panels(L.packed_out, 1, 3),
+                               panels(L.packed_out, 3, 4)})  // a claim's word holds 24 bits of panels
+      TORCH_CHECK(step < (int64_t{1} << 24), "Stack.forward: a linear step of 2^24 panels or more");
   }
   run.rows_in.resize(m, run.hidden);
   run.rows_h.resize(m, run.hidden);
@@ -2153,12 +2215,16 @@ at::Tensor stack_forward(const Stack& s, const at::Tensor& x, const at::Tensor& 
   run.rows_act.resize(m, inter);
   const int threads = std::max(1, at::get_num_threads());
   run.claims = std::make_unique<typename StackRun<T>::Claim[]>(static_cast<size_t>(threads));
-  steals().store(0);
+  stack_counted().panels.store(0);
+  stack_counted().taken.store(0);
 #pragma omp parallel num_threads(threads)
   {
     const uint64_t own = FloatMode::get();
 #pragma omp single
-    run.barrier.n = omp_get_num_threads();
+    {
+      run.barrier.n = omp_get_num_threads();
+      stack_counted().threads.store(run.barrier.n);
+    }
     run.run(omp_get_thread_num(), omp_get_num_threads());
     FloatMode::set(own);
   }

@@ -72,7 +72,7 @@ namespace isa_scalar {
     sub.def("bf16_widened", &isa_##NS::bf16_widened, "whether bf16 products run as widened fp32 fmas");         \
     sub.def("set_widen_bf16", &isa_##NS::set_widen_bf16, "bf16 products as widened fp32 fmas (True) or dot products"); \
     sub.def("set_stack_stall", &isa_##NS::set_stack_stall, "Stack: its last thread waits before each linear step (tests)"); \
-    sub.def("stack_steals", &isa_##NS::stack_steals, "Stack: panels the last forward's threads took from others'");  \
+    sub.def("stack_counts", &isa_##NS::stack_counts, "Stack: the last forward's threads, panels, panels taken");   \
     sub.def("layer_in", &isa_##NS::layer_in, "a decoder layer up to the cache: norm, q/k/v, q/k norms, rotary");  \
     sub.def("layer_out", &isa_##NS::layer_out, "a decoder layer from attention on: o, residual, norm, MLP");        \
     pybind11::class_<isa_##NS::Stack>(sub, "Stack", "every decoder layer of a forward in one call")               \
