@@ -1909,14 +1909,14 @@ inline void write_tile(uint32_t* tiles, int64_t tcap, int64_t kv, int64_t pos, c
 // The last Stack forward's threads, the panels its linear steps ran and how many of them a thread took from
 // another's share (tests)
 struct StackCounts {
-  std::atomic<int64_t> threads{0}, panels{0}, taken{0};
+  int64_t threads = 0, panels = 0, taken = 0;
 };
-inline StackCounts& stack_counted() { static StackCounts c; return c; }
+inline StackCounts& stack_counted() { thread_local StackCounts c; return c; }  // the calling thread's last forward
 inline int64_t& stack_stall() { static int64_t microseconds = 0; return microseconds; }
 int64_t set_stack_stall(int64_t microseconds) { return std::exchange(stack_stall(), std::max<int64_t>(0, microseconds)); }
 std::vector<int64_t> stack_counts() {
   const StackCounts& c = stack_counted();
-  return {c.threads.load(), c.panels.load(), c.taken.load()};
+  return {c.threads, c.panels, c.taken};
 }
 
 template <typename T>
@@ -1981,6 +1981,10 @@ struct StackRun {
   };
   std::unique_ptr<Claim[]> claims;
   static constexpr int64_t CLAIM = 4;
+  struct alignas(64) Count {  // each thread's, summed after the forward (`stack_counts`)
+    int64_t panels = 0, taken = 0;
+  };
+  std::unique_ptr<Count[]> counts;
 
   bool claim(int owner, bool front, uint64_t gen, int64_t total, int threads, int64_t& p0, int64_t& p1) const {
     std::atomic<uint64_t>& word = claims[owner].word;
@@ -2027,8 +2031,8 @@ struct StackRun {
         linear_panels(rows, m, weights, p0, p1);
         taken += p1 - p0;
       }
-    stack_counted().panels.fetch_add(own + taken, std::memory_order_relaxed);
-    if (taken) stack_counted().taken.fetch_add(taken, std::memory_order_relaxed);
+    counts[t].panels += own + taken;
+    counts[t].taken += taken;
   }
 
   static const T* bias_of(const at::Tensor& b) { return b.numel() ? b.data_ptr<T>() : nullptr; }
@@ -2215,18 +2219,21 @@ at::Tensor stack_forward(const Stack& s, const at::Tensor& x, const at::Tensor& 
   run.rows_act.resize(m, inter);
   const int threads = std::max(1, at::get_num_threads());
   run.claims = std::make_unique<typename StackRun<T>::Claim[]>(static_cast<size_t>(threads));
-  stack_counted().panels.store(0);
-  stack_counted().taken.store(0);
+  run.counts = std::make_unique<typename StackRun<T>::Count[]>(static_cast<size_t>(threads));
 #pragma omp parallel num_threads(threads)
   {
     const uint64_t own = FloatMode::get();
 #pragma omp single
-    {
-      run.barrier.n = omp_get_num_threads();
-      stack_counted().threads.store(run.barrier.n);
-    }
+    run.barrier.n = omp_get_num_threads();
     run.run(omp_get_thread_num(), omp_get_num_threads());
     FloatMode::set(own);
+  }
+  StackCounts& counted = stack_counted();
+  counted.threads = run.barrier.n;
+  counted.panels = counted.taken = 0;
+  for (int t = 0; t < run.barrier.n; ++t) {
+    counted.panels += run.counts[t].panels;
+    counted.taken += run.counts[t].taken;
   }
   return at::from_blob(run.x.data(), {m, run.hidden}, x.options()).clone();
 }
