@@ -225,6 +225,12 @@ inline V16 exp_fixed(V16 x) {
 // possible (9 rows as 5 + 4, not 4 + 4 + 1: a block of one row is as slow as streaming the weights); every block
 // after the first reads the panels from cache. Each weight vector is loaded once per step for all rows of a block.
 constexpr int64_t CHUNK_STEPS = 16;  // bf16 pair steps per chunk of 32 inputs
+// chain steps per output over k inputs: bf16 pairs, k padded to whole chunks of 32, else k
+inline int64_t chain_steps(int64_t k, bool paired) { return paired ? (k + 31) / 32 * CHUNK_STEPS : k; }
+// elements of a packed weight of `panels` panels whose chains take `steps` steps (a bf16 step holds a pair)
+inline int64_t packed_elements(int64_t panels, int64_t steps, bool paired) {
+  return panels * steps * LANES * (paired ? 2 : 1);
+}
 #if defined(LOSSLESS_DPBF16)
 constexpr int RB = 4, JB = 2;  // bf16 dot products: 8 x (e, o, sum) = 24 registers + 2 weight vectors + 1 broadcast
 constexpr int RT = 14;         // tall blocks through one panel: 14 x (e, o) = 28 registers + 1 weight vector + 1
@@ -331,7 +337,7 @@ struct Rows {
   void resize(int64_t m, int64_t k_) {
     k = k_;
     if constexpr (PAIRED<T>) {
-      steps = (k + 31) / 32 * CHUNK_STEPS;
+      steps = chain_steps(k, true);
       widened = widen_bf16();
 #if defined(LOSSLESS_AMX)
       amx = m >= amx_rows();
@@ -862,7 +868,7 @@ void linear_impl(const at::Tensor& x, const std::vector<at::Tensor>& packed, std
   const Rows<T> rows(x.data_ptr<T>(), m, k);
   int64_t total = 0;
   for (size_t w = 0; w < packed.size(); ++w) {
-    TORCH_CHECK(packed[w].numel() == packed[w].size(0) * rows.steps * LANES * (PAIRED<T> ? 2 : 1),
+    TORCH_CHECK(packed[w].numel() == packed_elements(packed[w].size(0), rows.steps, PAIRED<T>),
                 "linear: the packed weight does not match x (pack it with kernels.pack_weight)");
     weights[w].packed = packed[w].data_ptr<T>();
     weights[w].panels = packed[w].size(0);
@@ -1863,9 +1869,8 @@ void Stack::add(const at::Tensor& norm_in, double eps_in, const std::vector<at::
   const auto check_packed = [&](const at::Tensor& p, const at::Tensor& bias, int64_t n, int64_t k) {
     check_cpu(p, "packed weight");
     const bool pairs = dtype == at::kBFloat16;
-    const int64_t steps = pairs ? (k + 31) / 32 * CHUNK_STEPS : k;
     TORCH_CHECK(p.scalar_type() == dtype && p.dim() == 3 && p.size(0) * LANES >= n &&
-                    p.numel() == p.size(0) * steps * LANES * (pairs ? 2 : 1),
+                    p.numel() == packed_elements(p.size(0), chain_steps(k, pairs), pairs),
                 "Stack.add: a packed weight that does not match its layer (pack it with kernels.pack_weight)");
     TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == dtype && bias.numel() == n && bias.is_contiguous()),
                 "Stack.add: a bias of the layer's dtype and outputs");
