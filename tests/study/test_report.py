@@ -321,3 +321,34 @@ def test_the_committed_study_summary_is_rebuilt_from_its_records(tmp_path):
     write_report(copy, tmp_path / "out", at_rest=True)
     rebuilt = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert _differences(rebuilt, json.loads(committed)) == []
+
+
+def test_report_counts_flips_where_the_two_tokens_trade_places(tmp_path):
+    """Of the diverging pairs whose both sides' top tokens are known, the report counts those where the
+    candidate's token is the reference's runner-up and the reference's token the candidate's, tied logits in
+    either place; pairs with a side unknown, or a single top token, are left out."""
+    d = tmp_path / "run"
+    d.mkdir()
+    # every pair parts at token 10: the reference decodes 10 there, the candidate 99
+    tops = [([[10, 3.0], [99, 2.9]], [[99, 3.1], [10, 3.0]]),               # they trade places
+            ([[99, 3.0], [10, 3.0]], [[99, 3.1], [10, 3.0], [7, 1.0]]),     # a tie the reference broke its way
+            ([[10, 3.0], [99, 2.9]], [[99, 3.1], [8, 3.05], [10, 3.0]]),    # the candidate's runner-up is new
+            ([[10, 3.0], [7, 2.95], [99, 2.9]], [[99, 3.1], [10, 3.0]]),   # 99 is the reference's third
+            ([[10, 3.0], [99, 2.9]], None),                                 # the candidate's side unknown
+            ([[10, 3.0]], [[99, 3.1], [10, 3.0]])]                          # one top token of the reference's
+    recs = []
+    for i, (ref, cand) in enumerate(tops):
+        r = _record(i, "bf16", False)
+        r.update(first_divergence=10, ref_top_at_divergence=ref, orthrus_top_at_divergence=cand)
+        recs.append(r)
+    recs += [_record(i, "bf16", True) for i in range(6, 8)]
+    (d / "records.jsonl").write_text(_lines(recs))
+    (d / "run.json").write_text(json.dumps({"planned": 8, "config": {"model": "tiny", "k": 8}}))
+    summary = write_report(d, tmp_path / "report", html=False, tokenizer=None)
+    (bf16,) = summary["configs"]
+    margins = bf16["margin_at_divergence"]
+    assert margins["n_diverging"] == 6 and margins["n_tops_known"] == 4 and margins["trade_places"] == 2
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "## Where pairs part" in text
+    row = next(line for line in text.splitlines() if line.startswith("| orthrus | bf16/sdpa |"))
+    assert "| 2/4 |" in row

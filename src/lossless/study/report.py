@@ -208,14 +208,37 @@ def _diverging_first(recs: list[dict]) -> float | None:
     return _mean(r.get("first_divergence") for r in recs if not _match(r))
 
 
+def _leads(logits: dict, first, second) -> bool:
+    """`first` has the highest logit of the known top tokens and `second` the highest of the others (ties count
+    as either place)."""
+    if first not in logits or second not in logits:
+        return False
+    return logits[first] >= max(logits.values()) and logits[second] >= max(v for t, v in logits.items() if t != first)
+
+
+def _trade_places(r: dict) -> bool | None:
+    """Whether a diverging pair's two tokens trade places where it parts: the candidate's token is the
+    reference's runner-up and the reference's token the candidate's. None where a side's top tokens (two at
+    least) or its token there are not known."""
+    ref, cand, d = r.get("ref_top_at_divergence"), r.get("orthrus_top_at_divergence"), r.get("first_divergence")
+    a, o = r.get("ar_ids") or [], r.get("orthrus_ids") or []
+    if not ref or not cand or len(ref) < 2 or len(cand) < 2 or d is None or d >= len(a) or d >= len(o):
+        return None
+    x, y = a[d], o[d]
+    return _leads({t: v for t, v in ref}, x, y) and _leads({t: v for t, v in cand}, y, x)
+
+
 def _divergence_margins(recs: list[dict]) -> dict:
     """The reference's top-1 minus top-2 logit where diverging pairs part: how near a tie verification
-    flipped. Ties (margin 0) and near-ties (at most 0.25, two bf16 steps near logit 4-8) are counted."""
-    m = sorted(float(r["ref_margin_at_divergence"]) for r in recs
-               if not _match(r) and r.get("ref_margin_at_divergence") is not None)
+    flipped. Ties (margin 0) and near-ties (at most 0.25, two bf16 steps near logit 4-8) are counted, and, where
+    both sides' top tokens are known, the flips in which the two tokens trade places (`_trade_places`)."""
+    diverging = [r for r in recs if not _match(r)]
+    m = sorted(float(r["ref_margin_at_divergence"]) for r in diverging if r.get("ref_margin_at_divergence") is not None)
     median = None if not m else (m[len(m) // 2] if len(m) % 2 else (m[len(m) // 2 - 1] + m[len(m) // 2]) / 2)
-    return {"n_diverging": sum(not _match(r) for r in recs), "n_margins": len(m), "median_margin": median,
-            "ties": sum(x <= 0 for x in m), "near_ties": sum(x <= 0.25 for x in m)}
+    traded = [t for t in map(_trade_places, diverging) if t is not None]
+    return {"n_diverging": len(diverging), "n_margins": len(m), "median_margin": median,
+            "ties": sum(x <= 0 for x in m), "near_ties": sum(x <= 0.25 for x in m),
+            "n_tops_known": len(traded), "trade_places": sum(traded)}
 
 
 def _group(records: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
@@ -416,7 +439,7 @@ def _speed_cell(s: dict | None) -> str:
 
 
 def _candidates_section(summary: dict) -> list[str]:
-    """Exact match by candidate (rows) and configuration (columns), and where diverging pairs parted."""
+    """Exact match by candidate (rows) and configuration (columns), where a run has several candidates."""
     if not _several_candidates(summary):
         return []
     cols = list(dict.fromkeys(config_label(c["dtype"], c["attn"], c["reference_attn"]) for c in summary["configs"]))
@@ -431,16 +454,29 @@ def _candidates_section(summary: dict) -> list[str]:
          "Wilson 95% intervals). `oracle` drafts the reference itself and `self-assisted` drafts the model's "
          "own greedy choices, so every divergence of theirs comes from verifying several tokens in one forward.", ""]
     L += _table(["candidate", *cols], [[name, *(show(cell.get((name, col))) for col in cols)] for name in cands])
-    L += ["Where diverging pairs part: the reference's top-1 minus top-2 logit at the first divergence "
-          "(tie = 0; near-tie = at most 0.25; llama.cpp gives log-probabilities, whose differences are the "
-          "logits'). Speed: AR seconds over the candidate's on the same prompt, geometric mean over the pairs with a "
-          "bootstrap 95% interval, timed during the audit (a benchmark's numbers are its own).", ""]
-    L += _table(["candidate", "config", "diverging", "median margin", "ties", "near-ties", "mean first divergence",
-                 "speed vs AR [95% CI]"],
+    return L
+
+
+def _traded_cell(d: dict) -> str:
+    return f"{d['trade_places']}/{d['n_tops_known']}" if d.get("n_tops_known") else "—"
+
+
+def _divergence_section(summary: dict) -> list[str]:
+    """Where each configuration's diverging pairs part, and the candidate's speed against its AR reference."""
+    L = ["## Where pairs part", "",
+         "The reference's top-1 minus top-2 logit at the first divergence "
+         "(tie = 0; near-tie = at most 0.25; llama.cpp gives log-probabilities, whose differences are the "
+         "logits'). Tokens trade places: of the pairs whose two sides' top tokens at the divergence are known, those "
+         "where the candidate's token is the reference's runner-up and the reference's token the candidate's "
+         "(tied logits count as either place). Speed: AR seconds over the "
+         "candidate's on the same prompt, geometric mean over the pairs with a bootstrap 95% interval, timed during "
+         "the audit (a benchmark's numbers are its own).", ""]
+    L += _table(["candidate", "config", "diverging", "median margin", "ties", "near-ties", "tokens trade places",
+                 "mean first divergence", "speed vs AR [95% CI]"],
                 [[c["candidate"], config_label(c["dtype"], c["attn"], c["reference_attn"]),
-                  c["margin_at_divergence"]["n_diverging"], _num(c["margin_at_divergence"]["median_margin"], ".3g"),
-                  c["margin_at_divergence"]["ties"], c["margin_at_divergence"]["near_ties"],
-                  _num(c["mean_first_divergence"], ".1f"), _speed_cell(c.get("speed_vs_ar"))]
+                  (d := c["margin_at_divergence"])["n_diverging"], _num(d["median_margin"], ".3g"), d["ties"],
+                  d["near_ties"], _traded_cell(d), _num(c["mean_first_divergence"], ".1f"),
+                  _speed_cell(c.get("speed_vs_ar"))]
                  for c in summary["configs"]])
     return L
 
@@ -473,6 +509,7 @@ def _markdown(summary: dict, run_dir: Path, run_info: dict, plots: list[tuple[st
                   _num(c["mean_levenshtein"], ".1f"), _num(c.get("mean_seconds_per_pair"), ".1f")]
                  for c in summary["configs"]])
     L += _candidates_section(summary)
+    L += _divergence_section(summary)
     L += refcmp.markdown(summary.get("reference_comparison"), _table)
     L += ["## Per domain", ""]
     for label, rows in summary["domains"].items():
@@ -702,7 +739,8 @@ def write_report(run_dir, out_dir=None, at_rest: bool = False, html: bool = True
 
     summary.json: {"n_records", "planned" (int or null), "configs": [{"label", "dtype", "attn",
     "reference_attn", "candidate", "cycle", "n", "n_match", "exact_match_rate", "ci95", "margin_at_divergence":
-    {"n_diverging", "n_margins", "median_margin", "ties", "near_ties"}, "mean_tokens_per_step" (null for
+    {"n_diverging", "n_margins", "median_margin", "ties", "near_ties", "n_tops_known", "trade_places"},
+    "mean_tokens_per_step" (null for
     candidates outside the decode loop), "mean_first_divergence", "mean_levenshtein", "mean_seconds_per_pair",
     "compute_hours"}], "domains": {label: [{"domain", "n", "exact_match_rate", "ci95",
     "mean_first_divergence", "mean_tokens_per_step"}]}, "regression": {label: logistic_regression(...)},
