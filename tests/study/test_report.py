@@ -334,21 +334,24 @@ def test_report_counts_flips_where_the_two_tokens_trade_places(tmp_path):
             ([[99, 3.0], [10, 3.0]], [[99, 3.1], [10, 3.0], [7, 1.0]]),     # a tie the reference broke its way
             ([[10, 3.0], [99, 2.9]], [[99, 3.1], [8, 3.05], [10, 3.0]]),    # the candidate's runner-up is new
             ([[10, 3.0], [7, 2.95], [99, 2.9]], [[99, 3.1], [10, 3.0]]),   # 99 is the reference's third
+            ([[10, 3.0], [7, 2.9]], [[99, 3.1], [10, 3.0]]),                # 99 is not among the reference's
             ([[10, 3.0], [99, 2.9]], None),                                 # the candidate's side unknown
-            ([[10, 3.0]], [[99, 3.1], [10, 3.0]])]                          # one top token of the reference's
+            ([[10, 3.0]], [[99, 3.1], [10, 3.0]]),                          # one top token of the reference's
+            ([[10, 3.0], [99, 2.9]], [[99, 3.1], [10, 3.0]])]               # the candidate ended before (below)
     recs = []
     for i, (ref, cand) in enumerate(tops):
         r = _record(i, "bf16", False)
         r.update(first_divergence=10, ref_top_at_divergence=ref, orthrus_top_at_divergence=cand)
         recs.append(r)
-    recs += [_record(i, "bf16", True) for i in range(6, 8)]
+    recs[-1]["orthrus_ids"] = recs[-1]["orthrus_ids"][:10]
+    recs += [_record(i, "bf16", True) for i in range(8, 10)]
     (d / "records.jsonl").write_text(_lines(recs))
-    (d / "run.json").write_text(json.dumps({"planned": 8, "config": {"model": "tiny", "k": 8}}))
+    (d / "run.json").write_text(json.dumps({"planned": 10, "config": {"model": "tiny", "k": 8}}))
     summary = write_report(d, tmp_path / "report", html=False, tokenizer=None)
     (bf16,) = summary["configs"]
     margins = bf16["margin_at_divergence"]
-    assert margins["n_diverging"] == 6 and margins["n_tops_known"] == 4 and margins["trade_places"] == 2
+    assert margins["n_diverging"] == 8 and margins["n_tops_known"] == 5 and margins["trade_places"] == 2
     text = (tmp_path / "report" / "report.md").read_text()
     assert "## Where pairs part" in text
     row = next(line for line in text.splitlines() if line.startswith("| orthrus | bf16/sdpa |"))
-    assert "| 2/4 |" in row
+    assert "| 2/5 |" in row

@@ -225,7 +225,15 @@ def _trade_places(r: dict) -> bool | None:
     if not ref or not cand or len(ref) < 2 or len(cand) < 2 or d is None or d >= len(a) or d >= len(o):
         return None
     x, y = a[d], o[d]
-    return _leads({t: v for t, v in ref}, x, y) and _leads({t: v for t, v in cand}, y, x)
+    return _leads(_best(ref), x, y) and _leads(_best(cand), y, x)
+
+
+def _best(top) -> dict:
+    """Token id -> its logit in a top list (the highest, should an id appear twice)."""
+    out: dict = {}
+    for t, v in top:
+        out[t] = max(v, out.get(t, v))
+    return out
 
 
 def _divergence_margins(recs: list[dict]) -> dict:
@@ -739,7 +747,7 @@ def write_report(run_dir, out_dir=None, at_rest: bool = False, html: bool = True
 
     summary.json: {"n_records", "planned" (int or null), "configs": [{"label", "dtype", "attn",
     "reference_attn", "candidate", "cycle", "n", "n_match", "exact_match_rate", "ci95", "margin_at_divergence":
-    {"n_diverging", "n_margins", "median_margin", "ties", "near_ties", "n_tops_known", "trade_places"},
+    {"n_diverging", "n_margins", "median_margin", "ties", "near_ties", "n_tops_known", "trade_places"}, "speed_vs_ar",
     "mean_tokens_per_step" (null for
     candidates outside the decode loop), "mean_first_divergence", "mean_levenshtein", "mean_seconds_per_pair",
     "compute_hours"}], "domains": {label: [{"domain", "n", "exact_match_rate", "ci95",
