@@ -885,17 +885,27 @@ void linear_impl(const at::Tensor& x, const std::vector<at::Tensor>& packed, std
 template <int G, int B>
 inline void score_tiles(const float* q, int64_t d, const float* tiles, float* out, int64_t stride) {
   V16 acc[G][B];
+#pragma GCC unroll 16
   for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
     for (int b = 0; b < B; ++b) acc[g][b] = V16::zero();
   for (int64_t t = 0; t < d; ++t) {
     V16 k[B];
-    for (int b = 0; b < B; ++b) k[b] = V16::load(tiles + (b * d + t) * LANES);
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) {
+      k[b] = V16::load(tiles + (b * d + t) * LANES);
+      __builtin_prefetch(tiles + ((B + b) * d + t) * LANES, 0, 3);  // the next call's tiles
+    }
+#pragma GCC unroll 16
     for (int g = 0; g < G; ++g) {
       const V16 qt = V16::splat(q[g * d + t]);
+#pragma GCC unroll 4
       for (int b = 0; b < B; ++b) acc[g][b] = acc[g][b].fma(qt, k[b]);
     }
   }
+#pragma GCC unroll 16
   for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
     for (int b = 0; b < B; ++b) acc[g][b].store(out + g * stride + b * LANES);
 }
 
@@ -928,7 +938,7 @@ inline void score_keys(const float* q, int64_t d, const T* keys, int64_t n, int6
     const __m512i key = _mm512_min_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(first + b * LANES))), last);
     row[b] = _mm512_mullo_epi32(key, width);
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 16
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
     for (int b = 0; b < B; ++b) acc[g][b] = V16::zero();
@@ -939,7 +949,7 @@ inline void score_keys(const float* q, int64_t d, const T* keys, int64_t n, int6
 #pragma GCC unroll 4
       for (int b = 0; b < B; ++b)
         k[b] = {_mm512_i32gather_ps(_mm512_add_epi32(row[b], _mm512_set1_epi32(static_cast<int>(t))), keys, 4)};
-#pragma GCC unroll 4
+#pragma GCC unroll 16
       for (int g = 0; g < G; ++g) {
         const V16 qt = V16::splat(q[g * d + t]);
 #pragma GCC unroll 4
@@ -955,7 +965,7 @@ inline void score_keys(const float* q, int64_t d, const T* keys, int64_t n, int6
                                                  keys, 2);
         widen_pairs<T>(w, even[b], odd[b]);
       }
-#pragma GCC unroll 4
+#pragma GCC unroll 16
       for (int g = 0; g < G; ++g) {
         const V16 qe = V16::splat(q[g * d + t]), qo = V16::splat(q[g * d + t + 1]);
 #pragma GCC unroll 4
@@ -975,7 +985,7 @@ inline void score_keys(const float* q, int64_t d, const T* keys, int64_t n, int6
       }
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 16
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
     for (int b = 0; b < B; ++b) acc[g][b].store(out + g * stride + b * LANES);
@@ -990,7 +1000,7 @@ template <int G, int B, typename T>
 inline void score_pair_tiles(const float* q, int64_t d, const uint32_t* tiles, float* out, int64_t stride) {
   const int64_t steps = d / 2;
   V16 acc[G][B];
-#pragma GCC unroll 4
+#pragma GCC unroll 16
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
     for (int b = 0; b < B; ++b) acc[g][b] = V16::zero();
@@ -999,18 +1009,51 @@ inline void score_pair_tiles(const float* q, int64_t d, const uint32_t* tiles, f
 #pragma GCC unroll 4
     for (int b = 0; b < B; ++b) {
       const __m512i w = _mm512_loadu_si512(tiles + (b * steps + i) * LANES);
+      __builtin_prefetch(tiles + ((B + b) * steps + i) * LANES, 0, 3);  // the next call's tiles: a page the hardware has not seen
       widen_pairs<T>(w, even[b], odd[b]);
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 16
     for (int g = 0; g < G; ++g) {
       const V16 qe = V16::splat(q[g * d + 2 * i]), qo = V16::splat(q[g * d + 2 * i + 1]);
 #pragma GCC unroll 4
       for (int b = 0; b < B; ++b) acc[g][b] = acc[g][b].fma(qe, even[b]).fma(qo, odd[b]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 16
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) acc[g][b].store(out + g * stride + b * LANES);
+}
+#endif
+
+#if defined(LOSSLESS_DPBF16)
+// The same scores of bf16 keys on the dot-product instruction, which takes a pair's high half first: each key
+// pair's halves swapped (element 2t high, 2t + 1 low) and each query's pairs made the same way beforehand
+// (`pairs` [G, d / 2]: the queries are bf16 values widened, so their top halves are the bf16 ones), one
+// instruction for the two fmas of a step, the same bits (see `dot_pairs`).
+template <int G, int B>
+inline void score_dot_tiles(const uint32_t* pairs, int64_t steps, const uint32_t* tiles, float* out,
+                            int64_t stride) {
+  V16 acc[G][B];
+#pragma GCC unroll 16
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 6
+    for (int b = 0; b < B; ++b) acc[g][b] = V16::zero();
+  for (int64_t i = 0; i < steps; ++i) {
+    __m512i swapped[B];
+#pragma GCC unroll 6
+    for (int b = 0; b < B; ++b) {
+      swapped[b] = _mm512_rol_epi32(_mm512_loadu_si512(tiles + (b * steps + i) * LANES), 16);
+      __builtin_prefetch(tiles + ((B + b) * steps + i) * LANES, 0, 3);  // the next call's tiles
+    }
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 6
+      for (int b = 0; b < B; ++b) acc[g][b] = acc[g][b].dot_pairs(pairs[g * steps + i], swapped[b]);
+  }
+#pragma GCC unroll 16
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 6
     for (int b = 0; b < B; ++b) acc[g][b].store(out + g * stride + b * LANES);
 }
 #endif
@@ -1020,6 +1063,7 @@ inline void score_pair_tiles(const float* q, int64_t d, const uint32_t* tiles, f
 // weights j0 .. j1 - 1 in order (weight_j * v[key_j][t], key_j = keys[j], or j itself where keys is null), from zero
 // or, resuming, from the chains' values in acc; the G * C chains advance side by side and share each load, never
 // merged. `v` holds the values as rows of d, read where they lie in the cache (lanes past d read as zeros).
+constexpr int64_t VALUES_AHEAD = 8;  // value rows a chain prefetches ahead of the one it reads
 template <int G, int C, typename T>
 inline void weighted_values(const float* scores, int64_t stride, const int32_t* keys, int64_t j0, int64_t j1,
                             const T* v, int64_t d, int64_t dp, int64_t t0, float* acc, bool resume) {
@@ -1031,6 +1075,9 @@ inline void weighted_values(const float* scores, int64_t stride, const int32_t* 
   const auto run = [&](auto whole) {  // whole: every chunk lies inside the row (no padded loads)
     for (int64_t j = j0; j < j1; ++j) {
       const T* vj = v + (keys != nullptr ? keys[j] : j) * d;
+      if (keys == nullptr)  // rows in order: the row VALUES_AHEAD on (a stream the hardware loses at each page)
+        for (int64_t e = 0; e < C * LANES; e += 64 / static_cast<int64_t>(sizeof(T)))
+          __builtin_prefetch(vj + VALUES_AHEAD * d + t0 + e, 0, 3);
       V16 val[C];
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c)
@@ -1121,6 +1168,21 @@ inline void score_range(const float* qf, int64_t d, const float* kt, const T* kk
     for (; tile < tile1; ++tile) score_tiles<Q, 1>(qf, d, ft + tile * d * LANES, out + tile * LANES, stride);
   } else if (kc != nullptr && d % 2 == 0) {  // pairs [tile, d / 2, 16]
     const int64_t steps = d / 2;
+#if defined(LOSSLESS_DPBF16)
+    constexpr int64_t MAX_STEPS = 128;
+    if (std::is_same_v<T, at::BFloat16> && !widen_bf16() && steps <= MAX_STEPS) {
+      constexpr int BD = Q <= 3 ? 6 : (Q <= 6 ? 4 : (Q <= 14 ? 2 : 1));  // Q * BD + BD + 1 registers
+      uint32_t pairs[Q * MAX_STEPS];
+      for (int g = 0; g < Q; ++g)
+        for (int64_t i = 0; i < steps; ++i)
+          pairs[g * steps + i] = (__builtin_bit_cast(uint32_t, qf[g * d + 2 * i]) & 0xFFFF0000u) |
+                                 (__builtin_bit_cast(uint32_t, qf[g * d + 2 * i + 1]) >> 16);
+      for (; tile + BD <= tile1; tile += BD)
+        score_dot_tiles<Q, BD>(pairs, steps, kc + tile * steps * LANES, out + tile * LANES, stride);
+      for (; tile < tile1; ++tile) score_dot_tiles<Q, 1>(pairs, steps, kc + tile * steps * LANES, out + tile * LANES, stride);
+      return;
+    }
+#endif
     for (; tile + B <= tile1; tile += B)
       score_pair_tiles<Q, B, T>(qf, d, kc + tile * steps * LANES, out + tile * LANES, stride);
     for (; tile < tile1; ++tile) score_pair_tiles<Q, 1, T>(qf, d, kc + tile * steps * LANES, out + tile * LANES, stride);
@@ -1209,9 +1271,12 @@ inline void attend_rows(const float* qf, int64_t d, int64_t dp, const float* kt,
     for (int64_t j = 0; j < common; ++j) sp[j] = ap[j] * scale;
     for (int64_t j = common; j < m; ++j) sp[j] = ap[sr[j]] * scale;
     float most[LANES];
-    for (int64_t l = 0; l < LANES; ++l) most[l] = -INFINITY;
-    for (int64_t j = 0; j < full; j += LANES)
-      for (int64_t l = 0; l < LANES; ++l) most[l] = sp[j + l] > most[l] ? sp[j + l] : most[l];
+    V16 top = V16::splat(-INFINITY);
+    for (int64_t j = 0; j < full; j += LANES) {
+      const V16 x = V16::load(sp + j);
+      top = V16::above(x, top, x, top);  // lane by lane: x > top ? x : top
+    }
+    top.store(most);
     for (int64_t j = full; j < m; ++j) most[j - full] = sp[j] > most[j - full] ? sp[j] : most[j - full];
     float best = -INFINITY;
     for (int64_t l = 0; l < LANES; ++l) best = most[l] > best ? most[l] : best;
