@@ -199,18 +199,20 @@ def assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, 
     assert any(bool(torch.isfinite(t).any()) for t in by_layers())  # not all NaN: the values stay in range
     before = torch.get_num_threads()
     try:
-        for isa in VARIANTS:
+        # bf16 products (the linear layers' and attention's scores) by dot-product instruction or widened fmas
+        paths = (False, True) if dtype == torch.bfloat16 else (False,)
+        for isa, widened in ((isa, w) for isa in VARIANTS for w in paths):
             for threads in (1, 2, 3):
                 torch.set_num_threads(threads)
-                with kernels.use_isa(isa):
+                with kernels.use_isa(isa), kernels.bf16_path(widened):
                     kernels.ops().set_stack_stall(stall)
                     try:
                         for i, (a, b) in enumerate(zip(stacked(), want)):
-                            assert torch.equal(nan_bits(a), b), (isa, threads, i)
+                            assert torch.equal(nan_bits(a), b), (isa, widened, threads, i)
                         granted, ran, taken = kernels.ops().stack_counts()
-                        assert 1 <= granted <= threads and ran == panels, (isa, threads, granted, ran, panels)
+                        assert 1 <= granted <= threads and ran == panels, (isa, widened, threads, granted, ran, panels)
                         if stall >= 1000 and granted > 1:
-                            assert taken > 0, (isa, threads)
+                            assert taken > 0, (isa, widened, threads)
                     finally:
                         kernels.ops().set_stack_stall(0)
     finally:
