@@ -10,7 +10,8 @@ At a fixed cache length it times, alternating in one process (medians over round
   draft groups of k rows),
 and the memory floor: one read of every byte of the linear weights a decode step reads (exact mode's packed panels where a
 kernel has them), at 1 and 2 threads and at the run's thread count, timed in the same rounds, so every forward
-is also a multiple of the floor at the run's threads. It profiles a decode step and a 9-row verify by op family
+is also a multiple of the floor at the run's threads; in bf16 on the dot-product instruction also the compute
+floor: what a forward's products alone cost at the instruction's own rate on this core (measured, 24 chains). It profiles a decode step and a 9-row verify by op family
 (linear layers, LM head, attention, norms and activations, exact mode's fused decoder layers, the rest; exact
 mode's kernels are counted under the family they replace; its step and verify also module by module, the
 decoder layers unfused, for the split inside them) and the fused forward of the first setting (its draft groups' LM head call included).
@@ -231,6 +232,17 @@ def variant_of(model, rows: int) -> str:
     return f"{isa} {'fmas' if kernels.bf16_widened() else 'dots'}"
 
 
+def compute_floor(model, mbytes: float, threads: int) -> dict | None:
+    """What a bf16 forward's products cost at the dot-product instruction's own rate on this core (one instruction
+    per 64-byte line of weights and row, spread over the threads), where exact mode's products run on it (not
+    widened, not on tiles): milliseconds a row. None elsewhere."""
+    rates = kernels.product_rates() if model.attn == "exact" and model.dtype == torch.bfloat16 else None
+    if rates is None or kernels.bf16_widened() or kernels.amx_min_rows() is not None:
+        return None
+    return {"dot_per_s": round(rates["dot"]), "fma_per_s": round(rates["fma"]),
+            "ms_per_row": round(1000 * mbytes * 1e6 / 64 / (rates["dot"] * threads), 3)}
+
+
 def projected(summary: dict, tokens_per_cycle: float, k: int) -> dict:
     """Speed-up over AR of a cycle committing `tokens_per_cycle` at these forwards' costs (per kernel)."""
     out = {}
@@ -326,6 +338,13 @@ def main(argv=None) -> int:
     print(f"floor: one read of the {len(weights)} linear weights ({mbytes:.0f} MB) "
           + ", ".join(f"{1000 * floor[t]:.1f} ms at {t} thread{'s' if t > 1 else ''} ({mbytes / 1000 / floor[t]:.1f} GB/s)"
                       for t in floors))
+    compute = compute_floor(models[attns[-1]], mbytes, threads)
+    if compute:
+        per_row = compute["ms_per_row"]
+        print(f"products: the dot-product instruction {compute['dot_per_s'] / 1e9:.2f} G a second a core, the fp32 fma "
+              f"{compute['fma_per_s'] / 1e9:.2f} G (24 chains, one thread); at that rate a forward's products alone "
+              f"take {per_row:.2f} ms a row at {threads} thread{'s' if threads > 1 else ''} (9 rows {9 * per_row:.1f} ms, "
+              f"32 rows {32 * per_row:.1f} ms)")
     print(f"{'forward':<24}{'rows':>5}" + "".join(f"{a + ' ms':>12}{'x step':>8}{'x floor':>8}{'variant':>18}"
                                                   for a in attns)
           + "".join(f"{a + '/' + attns[0]:>14}" for a in attns[1:]))
@@ -346,7 +365,7 @@ def main(argv=None) -> int:
     print(json.dumps({"model": args.model, "dtype": args.dtype, "cache": args.cache, "projected": speedups,
                       "forwards": summary, "breakdown": breakdown, "threads": threads,
                       "floor": {"mb": round(mbytes, 1), **{f"ms_{t}_thread{'s' if t > 1 else ''}": round(1000 * floor[t], 2)
-                                                         for t in floors}}}))
+                                                         for t in floors}}, "compute": compute}))
     return 0
 
 

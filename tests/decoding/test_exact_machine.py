@@ -290,6 +290,18 @@ def test_stream_reads_every_word_of_every_tensor(isa):
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
+def test_the_compute_floor_rates_exist_where_the_dot_product_instruction_does(isa):
+    """The compute floor's rates (forward_cost.py): a variant with the dot-product instruction times it and the fma
+    over chains long enough to be a rate (more than 0.1 G a second on any CPU that has them); the others say none."""
+    with kernels.use_isa(isa):
+        rates = kernels.product_rates()
+    if isa in ("avx512bf16", "amx"):
+        assert set(rates) == {"dot", "fma"} and min(rates.values()) > 1e8, rates
+    else:
+        assert rates is None
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
 def test_subnormals_read_as_zero_and_results_flush_in_every_variant(isa):
     """The denormal rule (the one the AVX-512 BF16 dot product applies whatever MXCSR says) holds in every variant,
     whatever the calling thread's own denormal mode, in every worker thread."""

@@ -23,6 +23,7 @@ at::Tensor layer_out(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 
 // speed only (the bits never change): which path bf16 products take, tall blocks, AMX tiles from how many rows
 bool choose_bf16_path();
+std::vector<double> product_rates();
 bool bf16_widened();
 bool set_widen_bf16(bool on);
 bool set_tall_blocks(bool on);

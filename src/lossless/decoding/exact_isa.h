@@ -285,6 +285,16 @@ inline double chain_seconds(bool dot, int64_t rounds) {
   __asm__ __volatile__("" : : "x"(sink));
   return seconds;
 }
+
+// the best of three chain_seconds of each kind: (dot products, fmas)
+inline std::pair<double, double> best_chain_seconds(int64_t rounds) {
+  double dot = 1e9, fma = 1e9;
+  for (int t = 0; t < 3; ++t) {
+    dot = std::min(dot, chain_seconds(true, rounds));
+    fma = std::min(fma, chain_seconds(false, rounds));
+  }
+  return {dot, fma};
+}
 #endif
 
 bool bf16_widened() { return widen_bf16(); }
@@ -314,20 +324,32 @@ bool set_widen_bf16(bool on) {
   return widen_bf16();
 }
 
-// x rows as the kernel reads them: fp32 [m, k]; bf16 pair steps as uint32 [m, stride] or (widened) each step's
-// pair as fp32 (high, low) [m, kp / 2, 2], and for AMX tiles the rows in the inputs' own order, [16-row tiles, kp]
+// the blocks of at most `most` rows that a call's m rows go through (see above), and the rows of block b, whose
+// first row is r
+inline int64_t row_blocks(int64_t m, int64_t most) { return (m + most - 1) / most; }
+inline int64_t block_rows(int64_t m, int64_t r, int64_t blocks, int64_t b) { return (m - r) / (blocks - b); }
+
+// x rows as the kernel reads them: fp32 [m, k]; bf16 pair steps as uint32 [m, stride] (or, for tall blocks, each
+// block of rows chunk by chunk, [chunks, rows, 16]: a chunk's 16 steps of a row in one 64-byte line, the block's
+// rows one after another, block after block) or (widened) each step's pair as fp32 (high, low) [m, kp / 2, 2], and
+// for AMX tiles the rows in the inputs' own order, [16-row tiles, kp]
 template <typename T>
 struct Rows {
   std::vector<float> f;
   std::vector<uint32_t> pairs;
   std::vector<uint16_t> tiles;  // AMX: bf16 [ceil(m / 16) * 16, kp], zeros past k and past m
   int64_t steps = 0;  // chain steps per output: k, or kp / 2 pairs
-  // bf16 pairs: words from one row's steps to the next; in calls of more than 4 rows `steps` padded to an odd
-  // number of 64-byte lines, so the rows of a tall block read step i from as many different L1 sets (at a
-  // multiple of 4 KB, as for k = 2,048, every row's line of a step would sit in one 8-way set and evict the
-  // others at every step)
+  // bf16 pairs row by row: words from one row's steps to the next; in calls of more than 4 rows `steps` padded to
+  // an odd number of 64-byte lines, so the rows of a block read step i from as many different L1 sets (at a
+  // multiple of 4 KB, as for k = 2,048, every row's line of a step would sit in one 8-way set and evict the others
+  // at every step)
   int64_t stride = 0;
-  int64_t k = 0;
+  // tall blocks (the dot-product variant, calls of more than RB rows) read a chunk's pairs of all their rows from
+  // one pointer at fixed offsets (no address arithmetic per row in the loop, which the dot products' rate, two a
+  // cycle on Zen 4, leaves no issue slots for) and only their own rows' lines; a line holds one row's pairs, so
+  // threads filling different rows never write one line
+  bool chunked = false;
+  int64_t k = 0, rows = 0;
   bool widened = false, amx = false;
   Rows() = default;
   Rows(const T* x, int64_t m, int64_t k_) {
@@ -336,6 +358,7 @@ struct Rows {
   }
   void resize(int64_t m, int64_t k_) {
     k = k_;
+    rows = m;
     if constexpr (PAIRED<T>) {
       steps = chain_steps(k, true);
       widened = widen_bf16();
@@ -343,8 +366,11 @@ struct Rows {
       amx = m >= amx_rows();
       if (amx) tiles.assign(static_cast<size_t>((m + 15) / 16 * 16 * steps * 2), 0);
 #endif
+#if defined(LOSSLESS_DPBF16)
+      chunked = !widened && m > RB && tall_blocks();
+#endif
       // CHUNK_STEPS words are one line; calls of up to 4 rows (a decode step; blocks of at most 4 rows) need none
-      stride = (m <= 4 || (steps / CHUNK_STEPS) % 2) ? steps : steps + CHUNK_STEPS;
+      stride = chunked ? steps : (m <= 4 || (steps / CHUNK_STEPS) % 2) ? steps : steps + CHUNK_STEPS;
       if (widened) f.resize(static_cast<size_t>(m * steps * 2));
       else pairs.resize(static_cast<size_t>(m * stride));
     } else {
@@ -352,10 +378,32 @@ struct Rows {
       f.resize(static_cast<size_t>(m * k));
     }
   }
+  // row r's tall block: its first row and its rows (a block of its own where x is row by row)
+  std::pair<int64_t, int64_t> block_at(int64_t r) const {
+#if defined(LOSSLESS_DPBF16)
+    if (chunked) {
+      const int64_t blocks = row_blocks(rows, RT);
+      int64_t first = 0;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t n = block_rows(rows, first, blocks, b);
+        if (r < first + n) return {first, n};
+        first += n;
+      }
+    }
+#endif
+    return {r, 1};
+  }
+  // where row r's pair of step i lies, given its block (block_at): row by row, or chunk by chunk in its block
+  int64_t pair_at(int64_t r, int64_t i, std::pair<int64_t, int64_t> block) const {
+    if (!chunked) return r * stride + i;
+    const auto [first, n] = block;
+    return first * steps + ((i / CHUNK_STEPS) * n + r - first) * CHUNK_STEPS + i % CHUNK_STEPS;
+  }
   // steps s0..s1-1 of row r from x [m, k] (an input past k is a zero)
   void fill(const T* x, int64_t r, int64_t s0, int64_t s1) {
     const T* xr = x + r * k;
     if constexpr (PAIRED<T>) {
+      const auto block = block_at(r);
       for (int64_t i = s0; i < s1; ++i) {
         const int64_t first = (i >> 1) * 4 + (i & 1), second = first + 2;  // the high input, then the low one
         const uint16_t hi = first < k ? xr[first].x : 0, lo = second < k ? xr[second].x : 0;
@@ -363,7 +411,7 @@ struct Rows {
           f[(r * steps + i) * 2] = __builtin_bit_cast(float, static_cast<uint32_t>(hi) << 16);
           f[(r * steps + i) * 2 + 1] = __builtin_bit_cast(float, static_cast<uint32_t>(lo) << 16);
         } else {
-          pairs[r * stride + i] = static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16;
+          pairs[pair_at(r, i, block)] = static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16;
         }
         if (amx) {
           tiles[r * steps * 2 + first] = hi;
@@ -527,10 +575,11 @@ inline void panel_block(const Rows<T>& x, int64_t r0, const Weight<T>& wt, int64
 }
 
 // bf16: pair step i of J panels (w: the first panel's steps, `stride` words from one panel to the next) for R rows
-// into the chains acc: one dot product per pair, or (WIDE) the high then the low input's fma
-template <int R, int J, bool WIDE>
+// into the chains acc: one dot product per pair, or (WIDE) the high then the low input's fma. Tall blocks' x
+// (chunked) from xt: row r0's pair of step i, the next rows' CHUNK_STEPS words apart.
+template <int R, int J, bool WIDE, bool TALL = false>
 inline void pair_step(const Rows<at::BFloat16>& x, int64_t r0, const uint32_t* w, int64_t stride, int64_t i,
-                      V16 (&acc)[R][J]) {
+                      V16 (&acc)[R][J], const uint32_t* xt = nullptr) {
   if constexpr (WIDE) {
     V16 high[J], low[J];
 #pragma GCC unroll 4
@@ -547,9 +596,10 @@ inline void pair_step(const Rows<at::BFloat16>& x, int64_t r0, const uint32_t* w
     __m512i wv[J];
 #pragma GCC unroll 4
     for (int j = 0; j < J; ++j) wv[j] = _mm512_loadu_si512(w + j * stride + i * LANES);
+    const uint32_t* xp = TALL ? xt : x.pairs.data() + r0 * x.stride + i;
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const uint32_t xr = x.pairs[(r0 + r) * x.stride + i];
+      const uint32_t xr = xp[r * (TALL ? CHUNK_STEPS : x.stride)];
 #pragma GCC unroll 4
       for (int j = 0; j < J; ++j) acc[r][j] = acc[r][j].dot_pairs(xr, wv[j]);
     }
@@ -584,7 +634,8 @@ inline void pair_block(const Rows<at::BFloat16>& x, int64_t r0, const Weight<at:
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
       for (int j = 0; j < J; ++j) e[r][j] = o[r][j] = V16::zero();
-    for (int64_t i = c; i < c + CHUNK_STEPS; i += 2) {
+    const uint32_t* xt = TALL ? x.pairs.data() + r0 * steps + c * R : nullptr;  // the block's chunk (Rows::pair_at)
+    for (int64_t i = c; i < c + CHUNK_STEPS; i += 2, xt += TALL ? 2 : 0) {
       if constexpr (TALL) {  // the next panel's lines shared out over the blocks of rows reading this one
         if (i == ahead) { prefetch_panels<J, TALL>(w + i * LANES, steps); ahead += blocks; }
         if (i + 1 == ahead) { prefetch_panels<J, TALL>(w + (i + 1) * LANES, steps); ahead += blocks; }
@@ -592,8 +643,8 @@ inline void pair_block(const Rows<at::BFloat16>& x, int64_t r0, const Weight<at:
         prefetch_panels<J, TALL>(w + i * LANES, steps);
         prefetch_panels<J, TALL>(w + (i + 1) * LANES, steps);
       }
-      pair_step<R, J, WIDE>(x, r0, w, stride, i, e);
-      pair_step<R, J, WIDE>(x, r0, w, stride, i + 1, o);
+      pair_step<R, J, WIDE, TALL>(x, r0, w, stride, i, e, xt);
+      pair_step<R, J, WIDE, TALL>(x, r0, w, stride, i + 1, o, TALL ? xt + 1 : nullptr);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
@@ -634,10 +685,10 @@ inline void block_of(int rows, const Rows<T>& x, int64_t r, const Weight<T>& wt,
 // L2, so the weights leave memory once per call
 template <int R, int J, bool WIDE, bool TALL, typename T>
 inline void panel_all_rows(const Rows<T>& x, int64_t m, const Weight<T>& wt, int64_t p) {
-  const int64_t blocks = (m + R - 1) / R;
+  const int64_t blocks = row_blocks(m, R);
   int64_t r = 0;
   for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t rows = (m - r) / (blocks - b);  // the rows left, split evenly over the blocks left
+    const int64_t rows = block_rows(m, r, blocks, b);  // the rows left, split evenly over the blocks left
     block_of<R, J, WIDE, TALL>(static_cast<int>(rows), x, r, wt, p, b, blocks);
     r += rows;
   }
@@ -839,7 +890,7 @@ inline void panel_range(const Rows<T>& x, int64_t m, const Weight<T>& wt, int64_
     }
 #if defined(LOSSLESS_DPBF16)
     if (m <= 2) return panels_by<2, 4, false, false>(x, m, wt, p0, p1);
-    if (m > RB && tall_blocks()) return panels_by<RT, 1, false, true>(x, m, wt, p0, p1);
+    if (x.chunked) return panels_by<RT, 1, false, true>(x, m, wt, p0, p1);
     return panels_by<RB, JB, false, false>(x, m, wt, p0, p1);
 #endif
   } else {
@@ -1693,6 +1744,20 @@ inline double product_seconds(int64_t m, bool amx, const std::vector<at::BFloat1
 }
 #endif
 
+// The dot-product instruction's and the fp32 fma's rate on this core, each as 16-lane instructions a second over
+// 24 independent chains (the best of three): the compute a forward's products can reach at one thread, where the
+// variant has the instruction (elsewhere none)
+std::vector<double> product_rates() {
+#if defined(LOSSLESS_DPBF16)
+  const FlushDenormals flush;
+  constexpr int64_t rounds = 200000;
+  const auto [dot, fma] = best_chain_seconds(rounds);
+  return {24.0 * rounds / dot, 24.0 * rounds / fma};
+#else
+  return {};
+#endif
+}
+
 // Measure once which bf16 path is faster on this core and take it (the variant with the dot-product instruction;
 // elsewhere the one path there is). A widened pair costs two fmas where the instruction costs one: it pays where
 // the fma's throughput is at least 3x the instruction's. With AMX: from how many rows tiles beat that path (an
@@ -1701,11 +1766,7 @@ inline double product_seconds(int64_t m, bool amx, const std::vector<at::BFloat1
 bool choose_bf16_path() {
   const FlushDenormals flush;
 #if defined(LOSSLESS_DPBF16)
-  double dot = 1e9, fma = 1e9;
-  for (int t = 0; t < 3; ++t) {  // the best of three (about a millisecond each)
-    dot = std::min(dot, chain_seconds(true, 40000));
-    fma = std::min(fma, chain_seconds(false, 40000));
-  }
+  const auto [dot, fma] = best_chain_seconds(40000);  // about a millisecond each
   widen_bf16() = dot >= 3.0 * fma;
 #endif
 #if defined(LOSSLESS_AMX)

@@ -68,6 +68,7 @@ namespace isa_scalar {
     sub.def("silu", &isa_##NS::silu, "x * sigmoid(x) with a fixed exp");                                          \
     sub.def("stream", &isa_##NS::stream, "read every byte of the tensors once (the memory floor); an OR of them");  \
     sub.def("choose_bf16_path", &isa_##NS::choose_bf16_path, "time both bf16 paths once, take the faster (same bits)"); \
+    sub.def("product_rates", &isa_##NS::product_rates, "this core's dot-product and fma instructions a second (or none)"); \
     sub.def("set_tall_blocks", &isa_##NS::set_tall_blocks, "bf16 calls of many rows in tall blocks (speed only)"); \
     sub.def("bf16_widened", &isa_##NS::bf16_widened, "whether bf16 products run as widened fp32 fmas");         \
     sub.def("set_widen_bf16", &isa_##NS::set_widen_bf16, "bf16 products as widened fp32 fmas (True) or dot products"); \

@@ -189,6 +189,14 @@ def amx_rows(rows: int | None):
             variant.set_amx_rows(before)
 
 
+def product_rates() -> dict[str, float] | None:
+    """This core's 16-lane dot-product (AVX-512 BF16) and fp32 fma instructions a second at one thread, over 24
+    independent chains of each: the compute a forward's products can reach. None where the current variant has no
+    dot-product instruction."""
+    rates = list(ops().product_rates())
+    return {"dot": rates[0], "fma": rates[1]} if rates else None
+
+
 def bf16_widened() -> bool:
     """Whether the current variant computes bf16 products as widened fp32 fmas (else the dot-product
     instruction, or plain fmas without AVX-512): speed only, the bits are the same."""
