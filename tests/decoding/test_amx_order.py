@@ -42,10 +42,14 @@ def bf16(bits: np.ndarray) -> torch.Tensor:
 
 def variant_settings():
     """(label, a function making its context managers) for every way this CPU can compute bf16 products: each variant, the dot-product
-    instruction or widened fmas where the variant has both, AMX tiles from one row or never where it has them."""
+    instruction or widened fmas where the variant has both, the dot products' calls of many rows in tall blocks or
+    in blocks of 4 rows, AMX tiles from one row or never where it has them."""
     for isa in VARIANTS:
         for widened in (False, True):
             yield f"{isa} widened={widened}", lambda isa=isa, wide=widened: [kernels.use_isa(isa), kernels.bf16_path(wide)]
+        if isa in ("avx512bf16", "amx"):
+            yield f"{isa} blocks of 4 rows", lambda isa=isa: [kernels.use_isa(isa), kernels.bf16_path(False),
+                                                              kernels.tall_blocks(False)]
         if isa == "amx":
             for rows in (1, None):
                 yield f"amx tiles from {rows} rows", lambda rows=rows: [kernels.use_isa("amx"), kernels.amx_rows(rows)]
@@ -144,7 +148,7 @@ def amx_order(x: torch.Tensor, w: torch.Tensor, init: np.ndarray) -> np.ndarray:
 @settings(max_examples=60, **SLOW)
 @given(data=st.data())
 def test_every_variant_computes_amx_order_over_shapes_and_blocks(data):
-    """Any rows (blocks of 6, tall blocks of 12, widened blocks, 16-row tiles and their remainders), any k (padded
+    """Any rows (blocks of 4, tall blocks of up to 14 read chunk by chunk, widened blocks, 16-row tiles and their remainders), any k (padded
     to 32) and any outputs: linear's fp32 sums are AMX's order exactly, and linear rounds them once to bf16."""
     m, k, n = (data.draw(st.integers(lo, hi), label=name) for name, lo, hi in (("m", 1, 40), ("k", 1, 130), ("n", 1, 40)))
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))

@@ -43,7 +43,7 @@ def adversarial(shape, dtype, g) -> torch.Tensor:
 def every_kernel(dtype, make, g):
     """(name, call) for one input of every kernel, drawn by `make(shape)`."""
     x, w, bias, norm = make((9, 301)), make((70, 301)), make((70,)), make((301,))
-    x17 = make((17, 301))  # blocks of 6 + 6 + 5 rows (dot products), 5 + 4 + 4 + 4 (widened)
+    x17 = make((17, 301))  # tall blocks of 8 + 9 rows (dot products), 5 + 4 + 4 + 4 (widened)
     packed = kernels.pack_weight(w)
     q, k, v = make((9, 6, 40)), make((2, 70, 40)), make((2, 70, 40))
     visible = torch.rand(9, 70, generator=g) < 0.7
@@ -292,11 +292,13 @@ def test_stream_reads_every_word_of_every_tensor(isa):
 @pytest.mark.parametrize("isa", VARIANTS)
 def test_the_compute_floor_rates_exist_where_the_dot_product_instruction_does(isa):
     """The compute floor's rates (forward_cost.py): a variant with the dot-product instruction times it and the fma
-    over chains long enough to be a rate (more than 0.1 G a second on any CPU that has them); the others say none."""
+    over chains long enough to be a rate (0.1 to 50 G a second on any CPU that has them: a loop the compiler had
+    removed would read as far more); the others say none."""
     with kernels.use_isa(isa):
         rates = kernels.product_rates()
-    if isa in ("avx512bf16", "amx"):
-        assert set(rates) == {"dot", "fma"} and min(rates.values()) > 1e8, rates
+    if isa in ("avx512bf16", "amx"):  # between 0.1 and 50 G a second, the instruction at 1/10 to 10x the fma's
+        assert set(rates) == {"dot", "fma"} and all(1e8 < v < 5e10 for v in rates.values()), rates
+        assert 0.1 < rates["dot"] / rates["fma"] < 10, rates
     else:
         assert rates is None
 

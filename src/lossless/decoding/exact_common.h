@@ -18,6 +18,7 @@
 #include <cerrno>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -133,6 +134,22 @@ inline void check_rms_norm(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0), "rms_norm: x [m, c], weight [c]");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm: x and weight must share a dtype");
 }
+
+// Storage that starts at a 64-byte line (a std::vector's allocator): rows laid out in whole lines then fill whole
+// lines, so threads writing different rows never write one line
+template <typename U>
+struct LineAligned {
+  using value_type = U;
+  LineAligned() = default;
+  template <typename V>
+  LineAligned(const LineAligned<V>&) {}
+  U* allocate(size_t n) { return static_cast<U*>(::operator new(n * sizeof(U), std::align_val_t(64))); }
+  void deallocate(U* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename V>
+  bool operator==(const LineAligned<V>&) const { return true; }
+  template <typename V>
+  bool operator!=(const LineAligned<V>&) const { return false; }
+};
 
 #define DISPATCH(dtype, NAME, ...)                                                       \
   switch (dtype) {                                                                       \

@@ -336,7 +336,7 @@ inline int64_t block_rows(int64_t m, int64_t r, int64_t blocks, int64_t b) { ret
 template <typename T>
 struct Rows {
   std::vector<float> f;
-  std::vector<uint32_t> pairs;
+  std::vector<uint32_t, LineAligned<uint32_t>> pairs;  // from a line's start (tall blocks' chunks are lines)
   std::vector<uint16_t> tiles;  // AMX: bf16 [ceil(m / 16) * 16, kp], zeros past k and past m
   int64_t steps = 0;  // chain steps per output: k, or kp / 2 pairs
   // bf16 pairs row by row: words from one row's steps to the next; in calls of more than 4 rows `steps` padded to

@@ -216,6 +216,19 @@ def bf16_path(widened: bool):
         variant.set_widen_bf16(before)
 
 
+@contextmanager
+def tall_blocks(on: bool):
+    """Within this block the current variant runs bf16 calls of more than 4 rows in tall blocks through one panel
+    (True, the default) or in blocks of at most 4 rows (False), where it has the dot-product instruction; each
+    reads x in its own layout (tests: both must give the same bits)."""
+    variant = ops()
+    variant.set_tall_blocks(on)
+    try:
+        yield
+    finally:
+        variant.set_tall_blocks(True)
+
+
 def ops():
     """The kernels of the variant `isa()` names (built on first use)."""
     return getattr(extension(), isa())
