@@ -404,22 +404,37 @@ struct Rows {
     const T* xr = x + r * k;
     if constexpr (PAIRED<T>) {
       const auto block = block_at(r);
-      for (int64_t i = s0; i < s1; ++i) {
-        const int64_t first = (i >> 1) * 4 + (i & 1), second = first + 2;  // the high input, then the low one
-        const uint16_t hi = first < k ? xr[first].x : 0, lo = second < k ? xr[second].x : 0;
-        if (widened) {
-          f[(r * steps + i) * 2] = __builtin_bit_cast(float, static_cast<uint32_t>(hi) << 16);
-          f[(r * steps + i) * 2 + 1] = __builtin_bit_cast(float, static_cast<uint32_t>(lo) << 16);
-        } else {
-          pairs[pair_at(r, i, block)] = static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16;
-        }
-        if (amx) {
-          tiles[r * steps * 2 + first] = hi;
-          tiles[r * steps * 2 + second] = lo;
-        }
+      int64_t i = s0;
+#if defined(LOSSLESS_V16_AVX512)
+      if (!widened && !amx) {
+        // whole chunks (16 steps of 32 inputs, all below k; their pairs side by side in either layout) by one byte
+        // shuffle: each group of four inputs 0, 1, 2, 3 becomes the words (2 low, 0 high), (3 low, 1 high), what
+        // fill_pair writes
+        const __m512i order = _mm512_set4_epi32(0x0B0A0F0E, 0x09080D0C, 0x03020706, 0x01000504);
+        for (; i < s1 && i % CHUNK_STEPS; ++i) fill_pair(xr, r, i, block);
+        for (; i + CHUNK_STEPS <= s1 && 2 * (i + CHUNK_STEPS) <= k; i += CHUNK_STEPS)
+          _mm512_storeu_si512(pairs.data() + pair_at(r, i, block),
+                              _mm512_shuffle_epi8(_mm512_loadu_si512(xr + 2 * i), order));
       }
+#endif
+      for (; i < s1; ++i) fill_pair(xr, r, i, block);
     } else {
       for (int64_t i = s0; i < s1; ++i) f[r * k + i] = to_float(xr[i]);
+    }
+  }
+  // pair step i of row r from xr, its row of x (an input past k is a zero), in the layouts this call's rows keep
+  void fill_pair(const T* xr, int64_t r, int64_t i, std::pair<int64_t, int64_t> block) {
+    const int64_t first = (i >> 1) * 4 + (i & 1), second = first + 2;  // the high input, then the low one
+    const uint16_t hi = first < k ? xr[first].x : 0, lo = second < k ? xr[second].x : 0;
+    if (widened) {
+      f[(r * steps + i) * 2] = __builtin_bit_cast(float, static_cast<uint32_t>(hi) << 16);
+      f[(r * steps + i) * 2 + 1] = __builtin_bit_cast(float, static_cast<uint32_t>(lo) << 16);
+    } else {
+      pairs[pair_at(r, i, block)] = static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16;
+    }
+    if (amx) {
+      tiles[r * steps * 2 + first] = hi;
+      tiles[r * steps * 2 + second] = lo;
     }
   }
   // the flat steps s0..s1-1 of rows one after another (row r's steps are r * steps ..)
