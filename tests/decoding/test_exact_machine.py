@@ -476,6 +476,31 @@ def test_attention_matches_a_float64_reference(dtype, data):
     assert torch.allclose(got, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("isa", VARIANTS)
+def test_exp_gives_a_lane_the_same_bits_whatever_its_neighbours_and_lane(isa):
+    """exp (in SiLU and attention) skips its clamps for 16 lanes that all lie inside its range: a value gets the
+    same bits in such a vector, beside a lane out of range (inf, -inf, NaN, beyond the clamps) and as a tail
+    lane (exp one at a time), and SiLU matches float64 everywhere, the clamps' edges included."""
+    g = torch.Generator().manual_seed(1)
+    inside = torch.cat([torch.randn(44, generator=g) * 30, torch.tensor([87.0, -86.99, 0.0, -0.0])])  # 48 values
+    with kernels.use_isa(isa):
+        want = bits(kernels.silu(inside[None]))  # three vectors, every lane inside
+        for odd in (float("inf"), -float("inf"), float("nan"), 120.0, -95.0, 88.5):
+            for lane in (0, 7, 15):
+                x = inside.clone()
+                x[16 + lane] = odd
+                got = bits(kernels.silu(x[None]))
+                keep = torch.ones(48, dtype=torch.bool)
+                keep[16 + lane] = False
+                assert torch.equal(got[0, keep], want[0, keep]), (odd, lane)
+        for at in range(0, 48, 5):  # a tail lane: a row of 17 values whose last one is `inside[at]`
+            row = torch.cat([inside[:16], inside[at:at + 1]])
+            assert torch.equal(bits(kernels.silu(row[None]))[0, 16], want[0, at]), at
+        edges = torch.tensor([88.0, 88.0001, -87.0, -87.0001, 100.0, -100.0, 1e-30, -1e-30] * 2)
+        x64 = edges.double()
+        assert torch.allclose(kernels.silu(edges[None])[0].double(), x64 / (1 + torch.exp(-x64)), rtol=5e-7, atol=1e-37)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_norm_and_silu_match_float64_to_their_rounding(dtype):
     g = torch.Generator().manual_seed(0)

@@ -40,6 +40,9 @@ struct V16 {
   V16 div(V16 a) const { return {_mm512_div_ps(v, a.v)}; }
   static V16 above(V16 x, V16 limit, V16 a, V16 b) { return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(x.v, limit.v, _CMP_GT_OQ), b.v, a.v)}; }
   static V16 if_nan(V16 x, V16 a, V16 b) { return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q), b.v, a.v)}; }
+  static bool within(V16 x, float lo, float hi) {
+    return (_mm512_cmp_ps_mask(x.v, _mm512_set1_ps(lo), _CMP_GE_OQ) & _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(hi), _CMP_LE_OQ)) == 0xFFFF;
+  }
   V16 pow2() const {
     return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(v), _mm512_set1_epi32(127)), 23))};
   }
@@ -72,6 +75,12 @@ struct V16 {
     return {_mm256_blendv_ps(b.lo, a.lo, _mm256_cmp_ps(x.lo, x.lo, _CMP_UNORD_Q)),
             _mm256_blendv_ps(b.hi, a.hi, _mm256_cmp_ps(x.hi, x.hi, _CMP_UNORD_Q))};
   }
+  static bool within(V16 x, float lo, float hi) {
+    const __m256 l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
+    const __m256 in = _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(x.lo, l, _CMP_GE_OQ), _mm256_cmp_ps(x.lo, h, _CMP_LE_OQ)),
+                                    _mm256_and_ps(_mm256_cmp_ps(x.hi, l, _CMP_GE_OQ), _mm256_cmp_ps(x.hi, h, _CMP_LE_OQ)));
+    return _mm256_movemask_ps(in) == 0xFF;
+  }
   static __m256 pow2_8(__m256 n) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
   }
@@ -102,6 +111,11 @@ struct V16 {
     V16 r;
     for (int l = 0; l < LANES; ++l) r.v[l] = x.v[l] != x.v[l] ? a.v[l] : b.v[l];
     return r;
+  }
+  static bool within(V16 x, float lo, float hi) {
+    bool in = true;
+    for (int l = 0; l < LANES; ++l) in = in && x.v[l] >= lo && x.v[l] <= hi;
+    return in;
   }
   V16 pow2() const {
     V16 r;
@@ -148,7 +162,8 @@ struct V16 {
     return c + LANES <= n ? load(p + c) : load_partial(p + c, n - c);
   }
   // (above) add, sub, mul, div: lane-wise, correctly rounded; above(x, limit, a, b): x > limit ? a : b (a NaN is
-  // not above); if_nan(x, a, b): x != x ? a : b; pow2: 2^n of lanes holding whole numbers n, -126 <= n <= 127
+  // not above); if_nan(x, a, b): x != x ? a : b; within(x, lo, hi): every lane lo <= x <= hi (a NaN is not);
+  // pow2: 2^n of lanes holding whole numbers n, -126 <= n <= 127
 };
 
 inline float tree16(const float* a) {
@@ -183,10 +198,12 @@ inline float exp_fixed(float x) {
 }
 
 // exp_fixed of 16 lanes: the same operations in the same order, so the same bits lane by lane
+// (where every lane lies in [lo, hi], the clamps and selects keep x and y: the same operations without them)
 inline V16 exp_fixed(V16 x) {
   const V16 hi = V16::splat(88.0f), lo = V16::splat(-87.0f), zero = V16::zero();
-  V16 xc = V16::above(x, hi, hi, V16::above(lo, x, lo, x));
-  xc = V16::if_nan(x, zero, xc);
+  const bool inside = V16::within(x, -87.0f, 88.0f);
+  V16 xc = x;
+  if (!inside) xc = V16::if_nan(x, zero, V16::above(x, hi, hi, V16::above(lo, x, lo, x)));
   const V16 round = V16::splat(12582912.0f);
   const V16 n = xc.mul(V16::splat(1.44269504088896341f)).add(round).sub(round);
   const V16 minus_n = V16::splat(-1.0f).mul(n);  // exactly -n, the sign of a zero included
@@ -201,6 +218,7 @@ inline V16 exp_fixed(V16 x) {
   p = V16::splat(1.0f).fma(p, r);
   p = V16::splat(1.0f).fma(p, r);
   const V16 y = p.mul(n.pow2());
+  if (inside) return y;
   return V16::if_nan(x, x, V16::above(x, hi, V16::splat(INFINITY), V16::above(lo, x, zero, y)));
 }
 
@@ -1097,6 +1115,7 @@ inline void score_pair_tiles(const float* q, int64_t d, const uint32_t* tiles, f
 // pair's halves swapped (element 2t high, 2t + 1 low) and each query's pairs made the same way beforehand
 // (`pairs` [G, d / 2]: the queries are bf16 values widened, so their top halves are the bf16 ones), one
 // instruction for the two fmas of a step, the same bits (see `dot_pairs`).
+constexpr int64_t TILES_AHEAD = 6;  // key tiles the scores prefetch ahead of the ones they read (a memory's latency)
 template <int G, int B>
 inline void score_dot_tiles(const uint32_t* pairs, int64_t steps, const uint32_t* tiles, float* out,
                             int64_t stride) {
@@ -1110,7 +1129,7 @@ inline void score_dot_tiles(const uint32_t* pairs, int64_t steps, const uint32_t
 #pragma GCC unroll 6
     for (int b = 0; b < B; ++b) {
       swapped[b] = _mm512_rol_epi32(_mm512_loadu_si512(tiles + (b * steps + i) * LANES), 16);
-      __builtin_prefetch(tiles + ((B + b) * steps + i) * LANES, 0, 3);  // the next call's tiles
+      __builtin_prefetch(tiles + ((TILES_AHEAD + b) * steps + i) * LANES, 0, 3);  // tiles a later call reads
     }
 #pragma GCC unroll 16
     for (int g = 0; g < G; ++g)
@@ -1129,7 +1148,7 @@ inline void score_dot_tiles(const uint32_t* pairs, int64_t steps, const uint32_t
 // weights j0 .. j1 - 1 in order (weight_j * v[key_j][t], key_j = keys[j], or j itself where keys is null), from zero
 // or, resuming, from the chains' values in acc; the G * C chains advance side by side and share each load, never
 // merged. `v` holds the values as rows of d, read where they lie in the cache (lanes past d read as zeros).
-constexpr int64_t VALUES_AHEAD = 8;  // value rows a chain prefetches ahead of the one it reads
+constexpr int64_t VALUES_AHEAD = 32;  // value rows a chain prefetches ahead of the one it reads
 template <int G, int C, typename T>
 inline void weighted_values(const float* scores, int64_t stride, const int32_t* keys, int64_t j0, int64_t j1,
                             const T* v, int64_t d, int64_t dp, int64_t t0, float* acc, bool resume) {
@@ -1283,6 +1302,30 @@ inline void exp_shifted(float* sp, int64_t j0, int64_t j1, float best) {
   for (; j < j1; ++j) sp[j] = exp_fixed(sp[j] - best);
 }
 
+// the largest of sp[j0 .. j1 - 1] (a NaN is never above; -inf where there is none), four running maxima of 16
+// lanes: a set's maximum whichever order finds it (only a zero's sign could differ, which exp reads alike)
+inline float largest(const float* sp, int64_t j0, int64_t j1) {
+  V16 top[4] = {V16::splat(-INFINITY), V16::splat(-INFINITY), V16::splat(-INFINITY), V16::splat(-INFINITY)};
+  int64_t j = j0;
+  for (; j + 4 * LANES <= j1; j += 4 * LANES)
+#pragma GCC unroll 4
+    for (int a = 0; a < 4; ++a) {
+      const V16 x = V16::load(sp + j + a * LANES);
+      top[a] = V16::above(x, top[a], x, top[a]);
+    }
+  for (; j + LANES <= j1; j += LANES) {
+    const V16 x = V16::load(sp + j);
+    top[0] = V16::above(x, top[0], x, top[0]);
+  }
+  float most[4][LANES];
+  for (int a = 0; a < 4; ++a) top[a].store(most[a]);
+  float best = -INFINITY;
+  for (int a = 0; a < 4; ++a)
+    for (int64_t l = 0; l < LANES; ++l) best = most[a][l] > best ? most[a][l] : best;
+  for (; j < j1; ++j) best = sp[j] > best ? sp[j] : best;
+  return best;
+}
+
 // Marks in `hit` [tiles] the 16-key tiles holding a key some of the `count` rows sees (from the first `common`
 // keys, which every row sees, on to each row's others); returns how many tiles are marked.
 inline int64_t mark_tiles(const std::vector<int32_t>* const* seen, int64_t count, int64_t common,
@@ -1330,23 +1373,13 @@ inline void attend_rows(const float* qf, int64_t d, int64_t dp, const float* kt,
   s.scores.resize(static_cast<size_t>(Q * widest));
   for (int g = 0; g < Q; ++g) {
     const std::vector<int32_t>& sr = *seen[g / G];
-    const int64_t m = static_cast<int64_t>(sr.size()), full = m / LANES * LANES;
+    const int64_t m = static_cast<int64_t>(sr.size());
     float* sp = s.scores.data() + g * widest;
     const float* ap = all.data() + g * stride;
 #pragma omp simd
     for (int64_t j = 0; j < common; ++j) sp[j] = ap[j] * scale;
     for (int64_t j = common; j < m; ++j) sp[j] = ap[sr[j]] * scale;
-    float most[LANES];
-    V16 top = V16::splat(-INFINITY);
-    for (int64_t j = 0; j < full; j += LANES) {
-      const V16 x = V16::load(sp + j);
-      top = V16::above(x, top, x, top);  // lane by lane: x > top ? x : top
-    }
-    top.store(most);
-    for (int64_t j = full; j < m; ++j) most[j - full] = sp[j] > most[j - full] ? sp[j] : most[j - full];
-    float best = -INFINITY;
-    for (int64_t l = 0; l < LANES; ++l) best = most[l] > best ? most[l] : best;
-    exp_shifted(sp, 0, m, best);
+    exp_shifted(sp, 0, m, largest(sp, 0, m));
     s.total[g] = total_of(sp, m);
   }
   s.acc.resize(static_cast<size_t>(Q * dp));
@@ -1481,12 +1514,9 @@ struct Attention {
       for (int64_t g = 0; g < g_count; ++g) {
         float* sp = sc + g * width;
         if (pass == 0) {
-          float best = -INFINITY;
-          for (int64_t j = j0; j < j1; ++j) {
-            sp[j] = sp[j] * scale;
-            best = sp[j] > best ? sp[j] : best;
-          }
-          most[g * segs + part] = best;
+#pragma omp simd
+          for (int64_t j = j0; j < j1; ++j) sp[j] = sp[j] * scale;
+          most[g * segs + part] = largest(sp, j0, j1);
         } else {
           float best = -INFINITY;
           for (int64_t p = 0; p < segs; ++p) best = most[g * segs + p] > best ? most[g * segs + p] : best;
