@@ -123,7 +123,7 @@ exact-fast: $(STAMP)
 		--max-new-tokens 128 --no-progress --out results/exact-fast
 	$(BIN)/lossless report results/exact-fast --at-rest
 
-# llama.cpp's server and quantizer from the pinned llama-cpp-python release's sources, built once for this CPU
+# llama.cpp's server, quantizer and llama-bench from the pinned llama-cpp-python release's sources, built once for this CPU
 # (about 7 minutes on 2 cores; needs cmake, ninja and g++): the audit's llama.cpp candidates and their tests use it
 llama-server: $(STAMP)
 	$(BIN)/python -m lossless.study.llamacpp

@@ -4,7 +4,8 @@ For each kernel of `--attn` and each context length of `--contexts`, it prefills
 once, then times a decode step (one row) and a 9-row verify (the chain's verify at k=8) over that cache, every
 (kernel, context, forward) once per round in a shuffled order, for `--rounds` rounds, beside the memory floor (one
 read of the linear weights a step reads). With `--llama-cpp` (where llama-cpp-python is installed, see
-docs/speed.md) it also times llama.cpp's decode step at each context on the same GGUF, requantized to `--dtype`.
+docs/speed.md) it also times llama.cpp's decode step at each context on the same GGUF, requantized to `--dtype`;
+with `--llama-bench`, llama.cpp's own llama-bench times it (the build `make llama-server` makes), once a round.
 Each forward's cost against the same forward at the first context is a per-round paired ratio (mean, bootstrap 95%
 interval). It prints a table and, last, one JSON line.
 
@@ -30,6 +31,7 @@ from lossless.stats import bootstrap_mean
 from forward_cost import floor_call, weight_tensors
 
 ROWS = {"step": 1, "verify 9 rows": 9}
+BENCH_TOKENS = 8  # tokens llama-bench generates at each context a round (its time a token is their mean)
 PAUSE = 0.05  # seconds after each llama.cpp call
 
 
@@ -77,11 +79,14 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0, help="seed of each round's order")
     ap.add_argument("--llama-cpp", action="store_true", help="also time llama.cpp's decode step (needs llama-cpp-python)")
+    ap.add_argument("--llama-bench", action="store_true",
+                    help="also time llama.cpp's decode step with its own llama-bench (`make llama-server` builds it), "
+                         f"{BENCH_TOKENS} tokens at each context, once a round")
     args = ap.parse_args(argv)
     try:
         contexts = [int(c) for c in args.contexts.split(",") if c]
-        if not contexts or min(contexts) < 1:
-            raise LosslessError(f"--contexts '{args.contexts}': expected positive lengths, e.g. 200,2000,6000")
+        if not contexts or min(contexts) < 1 or len(set(contexts)) < len(contexts):
+            raise LosslessError(f"--contexts '{args.contexts}': expected distinct positive lengths, e.g. 200,2000,6000")
         if args.rounds < 2:
             raise LosslessError("--rounds: at least 2, for an interval")
         torch.set_num_threads(args.threads)
@@ -98,6 +103,14 @@ def main(argv=None) -> int:
             if not peers.available():
                 raise LosslessError("--llama-cpp: llama_cpp does not import; pip install .[peers] (see docs/speed.md)")
             peer = peers.LlamaCpp(args.model, args.dtype, args.threads, n_ctx=max(contexts) + 64)
+        bench_run = None
+        if args.llama_bench:
+            from lossless.study import llamacpp
+
+            if llamacpp.find_bench() is None:
+                raise LosslessError("--llama-bench: no llama-bench binary found; `make llama-server` builds it")
+            gguf = llamacpp.server_gguf(args.model, args.dtype)
+            bench_run = lambda: llamacpp.bench(gguf, args.threads, depths=contexts, n_gen=BENCH_TOKENS)  # noqa: E731
     except (LosslessError, ValueError) as exc:
         print(f"context_cost: error: {exc}", file=sys.stderr)
         return 2
@@ -116,6 +129,9 @@ def main(argv=None) -> int:
     order = list(calls)
     rng = random.Random(args.seed)
     times = {key: [] for key in calls}
+    if bench_run is not None:  # one llama-bench run a round times every context (its own warm-up first)
+        order.append(("llama-bench run", -1, ""))
+        times.update({("llama-bench", n, "step"): [] for n in contexts})
     floors = []
     for _ in range(args.rounds):
         rng.shuffle(order)
@@ -123,6 +139,14 @@ def main(argv=None) -> int:
         floor()
         floors.append(time.perf_counter() - start)
         for key in order:
+            if key[0] == "llama-bench run":
+                try:
+                    for test in bench_run():
+                        times[("llama-bench", test["depth"], "step")].append(test["ms"] / 1000)
+                except LosslessError as exc:
+                    print(f"context_cost: error: {exc}", file=sys.stderr)
+                    return 2
+                continue
             fn = calls[key]
             if key[0] == "llama.cpp":
                 steps.hold(key[1])  # this context's prompt in its cache, untimed
@@ -146,9 +170,9 @@ def main(argv=None) -> int:
     print(f"model={args.model} dtype={args.dtype} threads={args.threads} rounds={args.rounds} contexts={contexts}")
     print(f"floor: one read of the {len(weights)} linear weights ({mbytes:.0f} MB) {floor_ms:.1f} ms "
           f"({mbytes / floor_ms:.1f} GB/s)")
-    print(f"{'kernel':<10}{'forward':<15}{'context':>8}{'ms':>9}{'x floor':>9}   x step at {contexts[0]} [95% CI]")
+    print(f"{'kernel':<12}{'forward':<15}{'context':>8}{'ms':>9}{'x floor':>9}   x step at {contexts[0]} [95% CI]")
     for r in rows:
-        print(f"{r['kernel']:<10}{r['forward']:<15}{r['context']:>8}{r['ms']:>9.1f}{r['vs_floor']:>9.2f}   "
+        print(f"{r['kernel']:<12}{r['forward']:<15}{r['context']:>8}{r['ms']:>9.1f}{r['vs_floor']:>9.2f}   "
               f"{r['vs_base_step']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]")
     print(json.dumps({"benchmark": "context_cost", "model": args.model, "dtype": args.dtype, "threads": args.threads,
                       "rounds": args.rounds, "contexts": contexts,

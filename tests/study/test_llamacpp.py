@@ -152,6 +152,25 @@ def test_audit_of_llama_cpp_against_its_own_greedy(server_binary, embedded, tmp_
     assert again["new_records"] == 0  # resumes: nothing decoded twice
 
 
+def test_llama_bench_beside_the_server_times_steps_at_each_depth_and_a_prompt(server_binary, tmp_path):
+    """The benchmarks time llama.cpp with its own llama-bench, built beside llama-server: one record a test, a
+    generated token's milliseconds at each depth or a prompt's whole; a file it cannot load is one clear error."""
+    if llamacpp.find_bench() is None:  # a llama-server of its own ($LLAMA_SERVER, PATH) without llama-bench beside it
+        if os.environ.get("LOSSLESS_LLAMA_TESTS") == "required":
+            pytest.fail("LOSSLESS_LLAMA_TESTS=required but no llama-bench binary: run `make llama-server`")
+        pytest.skip("no llama-bench beside llama-server (make llama-server builds both)")
+    gguf = llamacpp.server_gguf(SPEC, "bf16")
+    steps = llamacpp.bench(gguf, 1, depths=[0, 64], n_gen=2)
+    assert [(t["depth"], t["n_gen"], t["n_prompt"]) for t in steps] == [(0, 2, 0), (64, 2, 0)]
+    assert all(0 < t["ms"] < 10_000 for t in steps)
+    prompt = llamacpp.bench(gguf, 1, n_prompt=32)
+    assert [(t["depth"], t["n_gen"], t["n_prompt"]) for t in prompt] == [(0, 0, 32)] and prompt[0]["ms"] > 0
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file")
+    with pytest.raises(LosslessError, match="llama-bench failed on broken.gguf"):
+        llamacpp.bench(broken, 1, n_gen=1)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_a_model_written_as_gguf_decodes_in_llama_cpp_as_in_torch(server_binary, family, tmp_path):
     """write_gguf's layout (names, the Llama rotary row order, tied embeddings, Qwen3's q/k norms): llama.cpp's

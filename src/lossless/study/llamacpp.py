@@ -26,6 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,6 +126,9 @@ CMAKE_OPTIONS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_OPEN
                  "-DLLAMA_USE_PREBUILT_UI=OFF"]
 
 
+TARGETS = ["llama-server", "llama-quantize", "llama-bench"]  # the benchmarks time llama.cpp with llama-bench
+
+
 def build_dir() -> Path:
     """This CPU's build of the pinned release: native code, so one directory per release and instruction set."""
     import hashlib
@@ -142,14 +146,14 @@ def cached_build() -> Path:
 
 
 def build(jobs: int | None = None) -> Path:
-    """Build llama.cpp's llama-server and llama-quantize from the pinned release's sources (PyPI's sdist of
-    llama-cpp-python), for this CPU, once: about 7 minutes on 2 cores. Needs cmake, ninja and a C++ compiler.
+    """Build llama.cpp's llama-server, llama-quantize and llama-bench from the pinned release's sources (PyPI's
+    sdist of llama-cpp-python), for this CPU, once: about 7 minutes on 2 cores. Needs cmake, ninja and a C++ compiler.
     Returns the server binary. An interrupted build is started again from scratch; a second process waits."""
     from ..decoding.kernels import _ninja_dir
     from ..paths import exclusive_lock
 
     here = build_dir()
-    if (here / BUILT).is_file() and cached_build().is_file():
+    if all((here / BUILT).is_file() and cached_build().with_name(t).is_file() for t in TARGETS):
         return cached_build()
     ninja = _ninja_dir()  # pip's ninja (a dependency) where the system has none
     env = {**os.environ, "PATH": os.pathsep.join(filter(None, [ninja, os.environ.get("PATH", "")]))}
@@ -160,6 +164,8 @@ def build(jobs: int | None = None) -> Path:
     with exclusive_lock(here.parent / f".lock-{here.name}", "another process is building llama.cpp here (pid {pid}): "
                                                              "wait for it"):
         if (here / BUILT).is_file() and cached_build().is_file():
+            if not all(cached_build().with_name(t).is_file() for t in TARGETS):
+                _build_targets(here, jobs, env)  # a build from before llama-bench was a target: seconds
             return cached_build()
         if here.exists():
             shutil.rmtree(here)
@@ -168,22 +174,31 @@ def build(jobs: int | None = None) -> Path:
     return cached_build()
 
 
+def _run_build(cmd: list, cwd: Path, env: dict) -> None:
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise LosslessError(f"building llama.cpp failed at `{' '.join(map(str, cmd[:3]))} ...`: {' | '.join(tail)}")
+
+
+def _build_targets(here: Path, jobs: int | None, env: dict) -> None:
+    """(Re)build TARGETS in the configured build at `here` (incremental: seconds where only one is missing)."""
+    _run_build(["cmake", "--build", str(here / "build"), "-j", str(jobs or os.cpu_count() or 1), "--target", *TARGETS],
+               here, env)
+
+
 def _build_in(here: Path, jobs: int | None, env: dict) -> None:
     import sys
 
     def run(cmd, cwd=here):
-        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise LosslessError(f"building llama.cpp failed at `{' '.join(map(str, cmd[:3]))} ...`: {' | '.join(tail)}")
+        _run_build(cmd, cwd, env)
 
     run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={RELEASE}", "--no-deps", "--no-binary", ":all:",
          "-d", str(here), "-q"])
     run(["tar", "xzf", f"llama_cpp_python-{RELEASE}.tar.gz"])
     source = here / f"llama_cpp_python-{RELEASE}" / "vendor" / "llama.cpp"
     run(["cmake", "-S", str(source), "-B", str(here / "build"), "-G", "Ninja", *CMAKE_OPTIONS])
-    run(["cmake", "--build", str(here / "build"), "-j", str(jobs or os.cpu_count() or 1), "--target", "llama-server",
-         "llama-quantize"])
+    _build_targets(here, jobs, env)
     (here / BUILT).write_text(server_version(here / "build" / "bin" / "llama-server") + "\n")
 
 
@@ -198,6 +213,46 @@ def find_server(path: str | Path | None = None) -> Path | None:
         return cached_build()
     found = shutil.which("llama-server")
     return Path(found).resolve() if found else None
+
+
+def find_bench(server: str | Path | None = None) -> Path | None:
+    """llama.cpp's llama-bench: beside the llama-server `find_server` finds (`make llama-server` builds both), else
+    one on PATH; None if none."""
+    found = find_server(server)
+    if found is not None and found.with_name("llama-bench").is_file():
+        return found.with_name("llama-bench")
+    on_path = shutil.which("llama-bench")
+    return Path(on_path).resolve() if on_path else None
+
+
+def bench(gguf: str | Path, threads: int, *, depths: Sequence[int] = (0,), n_prompt: int = 0, n_gen: int = 0,
+          repeats: int = 1, binary: str | Path | None = None) -> list[dict]:
+    """One run of llama-bench on `gguf` with `threads` threads (llama.cpp's own timing, warm-up included): for each
+    context depth, a prompt of `n_prompt` tokens and/or `n_gen` generated tokens after `depth` tokens already in
+    the cache. Returns one dict a test: depth, n_prompt, n_gen and ms (the prompt's whole time, or a generated
+    token's), the mean of `repeats`."""
+    found = Path(binary) if binary else find_bench()
+    if found is None or not found.is_file():
+        raise LosslessError("no llama-bench binary found: `make llama-server` builds it beside llama-server")
+    cmd = [str(found), "-m", str(gguf), "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen),
+           "-d", ",".join(str(d) for d in depths), "-r", str(repeats), "-o", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = " ".join((done.stderr or done.stdout).strip().splitlines()[-1:])
+        raise LosslessError(f"llama-bench failed on {Path(gguf).name}: {tail}")
+    try:
+        tests = json.loads(done.stdout)
+    except json.JSONDecodeError as exc:
+        raise LosslessError(f"llama-bench printed no JSON ({exc}); is {found} llama.cpp's llama-bench?") from None
+    if any(depths) and any("n_depth" not in t for t in tests):
+        raise LosslessError(f"{found} reports no context depths (an older llama-bench): build the pinned one with "
+                            "`make llama-server`")
+    out = []
+    for t in tests:
+        tokens = t["n_gen"] if t["n_gen"] else 1
+        out.append({"depth": int(t.get("n_depth", 0)), "n_prompt": int(t["n_prompt"]), "n_gen": int(t["n_gen"]),
+                    "ms": float(t["avg_ns"]) / 1e6 / tokens})
+    return out
 
 
 def require_server(path: str | Path | None = None) -> Path:
