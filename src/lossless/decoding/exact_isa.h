@@ -645,6 +645,7 @@ inline void pair_step(const Rows<at::BFloat16>& x, int64_t r0, const uint32_t* w
 // bf16: R rows x J panels in the AMX order: per chunk of 16 steps the chains e (even steps) and o (odd steps) from
 // +0, a step of each in turn (the weights read in memory order), then sum = sum + (e + o). The sums stay in
 // registers beside the chains in blocks of up to 8 outputs vectors (3 x 8 of 32 registers), else in memory.
+constexpr int64_t TALL_AHEAD = 256;  // weight lines (16 KB) a tall block alone on its panels prefetches ahead
 template <int R, int J, bool WIDE, bool TALL>
 inline void pair_block(const Rows<at::BFloat16>& x, int64_t r0, const Weight<at::BFloat16>& wt, int64_t p0,
                        int64_t block = 0, int64_t blocks = 1) {
@@ -669,9 +670,14 @@ inline void pair_block(const Rows<at::BFloat16>& x, int64_t r0, const Weight<at:
       for (int j = 0; j < J; ++j) e[r][j] = o[r][j] = V16::zero();
     const uint32_t* xt = TALL ? x.pairs.data() + r0 * steps + c * R : nullptr;  // the block's chunk (Rows::pair_at)
     for (int64_t i = c; i < c + CHUNK_STEPS; i += 2, xt += TALL ? 2 : 0) {
-      if constexpr (TALL) {  // the next panel's lines shared out over the blocks of rows reading this one
-        if (i == ahead) { prefetch_panels<J, TALL>(w + i * LANES, steps); ahead += blocks; }
-        if (i + 1 == ahead) { prefetch_panels<J, TALL>(w + (i + 1) * LANES, steps); ahead += blocks; }
+      if constexpr (TALL) {
+        if (blocks == 1) {  // one block: the stream TALL_AHEAD lines on (into the next panel, which follows)
+          __builtin_prefetch(w + (i + TALL_AHEAD) * LANES, 0, 2);
+          __builtin_prefetch(w + (i + 1 + TALL_AHEAD) * LANES, 0, 2);
+        } else {  // the next panel's lines shared out over the blocks of rows reading this one
+          if (i == ahead) { prefetch_panels<J, TALL>(w + i * LANES, steps); ahead += blocks; }
+          if (i + 1 == ahead) { prefetch_panels<J, TALL>(w + (i + 1) * LANES, steps); ahead += blocks; }
+        }
       } else {
         prefetch_panels<J, TALL>(w + i * LANES, steps);
         prefetch_panels<J, TALL>(w + (i + 1) * LANES, steps);
@@ -1683,10 +1689,18 @@ void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Te
 // one row of the RMSNorm below: x [c] -> out [c]
 template <typename T>
 inline void rms_row(const T* xi, const T* wp, int64_t c, float e, T* out) {
-  float lanes[LANES] = {0};
-  for (int64_t t = 0; t < c; ++t) {
-    const float v = to_float(xi[t]);
-    lanes[t % LANES] = std::fmaf(v, v, lanes[t % LANES]);
+  // lane l: fma(x[t], x[t], sum) over t = l, l + 16, .. in order, 16 lanes at a time, then the tail one at a time
+  V16 squares = V16::zero();
+  int64_t s = 0;
+  for (; s + LANES <= c; s += LANES) {
+    const V16 v = V16::load(xi + s);
+    squares = squares.fma(v, v);
+  }
+  float lanes[LANES];
+  squares.store(lanes);
+  for (; s < c; ++s) {
+    const float v = to_float(xi[s]);
+    lanes[s % LANES] = std::fmaf(v, v, lanes[s % LANES]);
   }
   const float inv = 1.0f / std::sqrt(tree16(lanes) / static_cast<float>(c) + e);
   int64_t t = 0;
