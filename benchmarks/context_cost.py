@@ -107,8 +107,7 @@ def main(argv=None) -> int:
         if args.llama_bench:
             from lossless.study import llamacpp
 
-            if llamacpp.find_bench() is None:
-                raise LosslessError("--llama-bench: no llama-bench binary found; `make llama-server` builds it")
+            llamacpp.require_bench()
             gguf = llamacpp.server_gguf(args.model, args.dtype)
             bench_run = lambda: llamacpp.bench(gguf, args.threads, depths=contexts, n_gen=BENCH_TOKENS)  # noqa: E731
     except (LosslessError, ValueError) as exc:

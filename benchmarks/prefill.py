@@ -49,8 +49,7 @@ def main() -> None:
         from lossless.study import llamacpp
 
         try:
-            if llamacpp.find_bench() is None:
-                raise LosslessError("--llama-bench: no llama-bench binary found; `make llama-server` builds it")
+            llamacpp.require_bench()
             gguf = llamacpp.server_gguf(args.model, args.dtype)
         except LosslessError as exc:
             print(f"prefill: error: {exc}", file=sys.stderr)

@@ -225,15 +225,22 @@ def find_bench(server: str | Path | None = None) -> Path | None:
     return Path(on_path).resolve() if on_path else None
 
 
+def require_bench() -> Path:
+    found = find_bench()
+    if found is None:
+        raise LosslessError("no llama-bench binary found: `make llama-server` builds it beside llama-server")
+    return found
+
+
 def bench(gguf: str | Path, threads: int, *, depths: Sequence[int] = (0,), n_prompt: int = 0, n_gen: int = 0,
           repeats: int = 1, binary: str | Path | None = None) -> list[dict]:
     """One run of llama-bench on `gguf` with `threads` threads (llama.cpp's own timing, warm-up included): for each
     context depth, a prompt of `n_prompt` tokens and/or `n_gen` generated tokens after `depth` tokens already in
     the cache. Returns one dict a test: depth, n_prompt, n_gen and ms (the prompt's whole time, or a generated
     token's), the mean of `repeats`."""
-    found = Path(binary) if binary else find_bench()
-    if found is None or not found.is_file():
-        raise LosslessError("no llama-bench binary found: `make llama-server` builds it beside llama-server")
+    found = Path(binary) if binary else require_bench()
+    if not found.is_file():
+        raise LosslessError(f"no llama-bench binary at {found}")
     cmd = [str(found), "-m", str(gguf), "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen),
            "-d", ",".join(str(d) for d in depths), "-r", str(repeats), "-o", "json"]
     done = subprocess.run(cmd, capture_output=True, text=True)
