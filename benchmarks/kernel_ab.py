@@ -4,7 +4,11 @@ A change of the kernels' order or blocking is a change of speed as well as of bi
 `benchmarks/forward_cost.py` of each build in its own process (the revision's from a temporary git worktree,
 its kernels built into the same cache), alternating the two `--pairs` times in shuffled order, and prints each
 forward's median milliseconds under both and the mean ratio of the pairs with a 95% bootstrap interval over
-them (each ratio within one pair of runs made back to back, so the machine's drift between pairs cancels). The last stdout line is one JSON object.
+them (each ratio within one pair of runs made back to back, so the machine's drift between pairs cancels). Where
+memory bandwidth swings from one minute to the next, even back-to-back runs differ by more than a change does, so
+each forward is also given in steps (its time over the same run's one-row step: the swing cancels within a run)
+and the pairs' mean ratio of those (a change that moves the step itself shows in the milliseconds only). The last
+stdout line is one JSON object.
 
     python benchmarks/kernel_ab.py --baseline HEAD~1 --pairs 3 --rounds 12 --threads 2
 """
@@ -76,16 +80,26 @@ def main(argv=None) -> int:
         ratios = [b / a for a, b in zip(old, new)]
         boot = bootstrap_mean(ratios)
         lo, hi = boot["ci95"]
+        old_steps = [r["forwards"]["exact"][name]["vs_step"] for r in runs["baseline"]]
+        new_steps = [r["forwards"]["exact"][name]["vs_step"] for r in runs["this"]]
+        in_steps = bootstrap_mean([b / a for a, b in zip(old_steps, new_steps)])
         table[name] = {"rows": runs["this"][0]["forwards"]["exact"][name]["rows"],
                        "variant": runs["this"][0]["forwards"]["exact"][name].get("variant"),
                        "baseline_ms": round(statistics.median(old), 2), "this_ms": round(statistics.median(new), 2),
-                       "ratio": round(boot["mean"], 3), "ci": [round(lo, 3), round(hi, 3)]}
+                       "ratio": round(boot["mean"], 3), "ci": [round(lo, 3), round(hi, 3)],
+                       "baseline_steps": round(statistics.median(old_steps), 3),
+                       "this_steps": round(statistics.median(new_steps), 3),
+                       "steps_ratio": round(in_steps["mean"], 3), "steps_ci": [round(v, 3) for v in in_steps["ci95"]]}
     print(f"exact {args.dtype} forwards, cache {args.cache}, {args.threads} threads: this checkout against "
           f"{args.baseline}, {args.pairs} alternating pairs of {args.rounds} rounds")
-    print(f"{'forward':<26}{'rows':>5}{'baseline ms':>13}{'this ms':>10}{'this/baseline':>15}  95% CI")
+    print(f"{'forward':<26}{'rows':>5}{'baseline ms':>13}{'this ms':>10}{'this/baseline':>15}  {'95% CI':<16}"
+          f"{'steps before':>13}{'after':>7}{'ratio':>7}  95% CI")
     for name, row in table.items():
+        ci = f"[{row['ci'][0]:.3f}, {row['ci'][1]:.3f}]"
         print(f"{name:<26}{row['rows']:>5}{row['baseline_ms']:>13.2f}{row['this_ms']:>10.2f}{row['ratio']:>15.3f}"
-              f"  [{row['ci'][0]:.3f}, {row['ci'][1]:.3f}]")
+              f"  {ci:<16}"
+              f"{row['baseline_steps']:>13.3f}{row['this_steps']:>7.3f}{row['steps_ratio']:>7.3f}"
+              f"  [{row['steps_ci'][0]:.3f}, {row['steps_ci'][1]:.3f}]")
     print(json.dumps({"baseline": args.baseline, "pairs": args.pairs, "rounds": args.rounds, "threads": args.threads,
                       "dtype": args.dtype, "cache": args.cache, "forwards": table}))
     return 0
