@@ -148,9 +148,10 @@ def amx_order(x: torch.Tensor, w: torch.Tensor, init: np.ndarray) -> np.ndarray:
 @settings(max_examples=60, **SLOW)
 @given(data=st.data())
 def test_every_variant_computes_amx_order_over_shapes_and_blocks(data):
-    """Any rows (blocks of 4; tall blocks read chunk by chunk, up to 14 rows with e and o side by side, 15 to 28
-    rows even steps first, one block or several; widened blocks; 16-row tiles and their remainders), any k (padded
-    to 32) and any outputs: linear's fp32 sums are AMX's order exactly, and linear rounds them once to bf16."""
+    """Any rows (blocks of 4; tall blocks read chunk by chunk: up to 14 rows with e and o side by side, 15 to 28
+    rows as one block even steps first, more rows in several blocks of up to 14; widened blocks; 16-row tiles and
+    their remainders), any k (padded to 32) and any outputs: linear's fp32 sums are AMX's order exactly, and
+    linear rounds them once to bf16."""
     m, k, n = (data.draw(st.integers(lo, hi), label=name) for name, lo, hi in (("m", 1, 60), ("k", 1, 130), ("n", 1, 40)))
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
     spread = data.draw(st.sampled_from([0, 12]), label="exponent spread")  # 2^-12..2^12: no underflow, no overflow
