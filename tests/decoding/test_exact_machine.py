@@ -223,16 +223,19 @@ def assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, 
 @settings(max_examples=4, **SLOW)
 @given(data=st.data())
 def test_a_long_context_split_over_the_threads_gives_the_layer_calls_bits(dtype, data):
-    """From 1,024 keys a row, a step or a short chain spreads each kv head's attention over the threads (scores
-    and exp by segments of keys, the weighted values by chunks of the head dim): the stack still gives the bits
-    of the layer calls, for every variant and thread count."""
+    """From 1,024 keys a row, a step or a chain of up to 16 rows spreads each kv head's attention over the threads
+    (scores and exp by segments of keys, the weighted values by parts of the queries or chunks of the head dim),
+    and so do the rows of a tree: the stack still gives the bits of the layer calls, for every variant and thread
+    count, and so do longer chains, which take items."""
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
     make = lambda s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
-    m, n = data.draw(st.integers(1, 3), label="rows"), data.draw(st.integers(1024, 1100), label="cache")
+    m, n = data.draw(st.integers(1, 18), label="rows"), data.draw(st.integers(1024, 1100), label="cache")
     layers = random_layers(dtype, make, 2, data.draw(st.booleans(), label="qk norms"), False)
     x, cos, sin = make((m, 37)), make((m, 10)), make((m, 10))
     visible = torch.ones(m, n + m, dtype=torch.bool)
     visible[:, n:] = torch.ones(m, m, dtype=torch.bool).tril()  # a chain: each row sees the cache and the rows before
+    if data.draw(st.booleans(), label="a tree"):  # or itself and some of the rows before it
+        visible[:, n:] &= (torch.rand(m, m, generator=g) < 0.5) | torch.eye(m, dtype=torch.bool)
     cap = n + m + 3
     caches = [(make((1, 2, cap, 10)), make((1, 2, cap, 10))) for _ in layers]
     assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, n, m, cap,
@@ -243,17 +246,21 @@ def test_a_long_context_split_over_the_threads_gives_the_layer_calls_bits(dtype,
 @settings(max_examples=6, **SLOW)
 @given(data=st.data())
 def test_long_context_attention_split_over_the_threads_is_correct_and_invariant(dtype, data):
-    """The split attention (rows that see the cache's first keys, 1,024 or more of them, fewer items than twice
-    the threads) matches a float64 reference and gives one set of bits for every variant and thread count,
-    head dims not a multiple of 16 and more than four heads a kv head included."""
+    """The split attention (up to 16 rows that see the cache's first keys, 1,024 or more of them) matches a
+    float64 reference and gives one set of bits for every variant and thread count, head dims not a multiple of
+    16, more than four heads a kv head, rows of a tree (each sees some of the rows before it) and more rows than a
+    split takes included."""
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
     kv = data.draw(st.integers(1, 3), label="kv heads")
     heads = kv * data.draw(st.integers(1, 6), label="group")
     d = data.draw(st.sampled_from([10, 40, 64, 72, 128]), label="d")
-    q, n = data.draw(st.integers(1, 3), label="q"), data.draw(st.integers(1024, 1300), label="keys")
+    q, n = data.draw(st.integers(1, 18), label="q"), data.draw(st.integers(1024, 1300), label="keys")
     query, key, value = (torch.randn(*s, generator=g).to(dtype) for s in ((q, heads, d), (kv, n, d), (kv, n, d)))
     visible = torch.ones(q, n, dtype=torch.bool)
     visible[:, n - q + 1:] = torch.ones(q, q - 1, dtype=torch.bool).tril(-1)
+    if data.draw(st.booleans(), label="a tree"):  # each row also sees some of the rows before it, not all
+        drawn = torch.rand(q, q - 1, generator=g) < 0.5
+        visible[:, n - q + 1:] &= drawn
     want = bits(kernels.attention(query, key, value, visible, 1 / math.sqrt(d)))
     k64, v64 = (t.double().repeat_interleave(heads // kv, dim=0) for t in (key, value))
     scores = torch.einsum("qhd,hnd->hqn", query.double(), k64) / math.sqrt(d)

@@ -1181,12 +1181,12 @@ inline void score_dot_tiles(const uint32_t* pairs, int64_t steps, const uint32_t
 }
 #endif
 
+constexpr int64_t VALUES_AHEAD = 32;  // value rows a chain prefetches ahead of the one it reads
 // C chunks of 16 head-dim lanes, t0 .. t0 + 16C, of G output rows (queries sharing these values: heads of one kv
 // head, of one row or of several; query g's weights at scores + g * stride): for each lane, one fma chain over the
 // weights j0 .. j1 - 1 in order (weight_j * v[key_j][t], key_j = keys[j], or j itself where keys is null), from zero
 // or, resuming, from the chains' values in acc; the G * C chains advance side by side and share each load, never
 // merged. `v` holds the values as rows of d, read where they lie in the cache (lanes past d read as zeros).
-constexpr int64_t VALUES_AHEAD = 32;  // value rows a chain prefetches ahead of the one it reads
 template <int G, int C, typename T>
 inline void weighted_values(const float* scores, int64_t stride, const int32_t* keys, int64_t j0, int64_t j1,
                             const T* v, int64_t d, int64_t dp, int64_t t0, float* acc, bool resume) {
@@ -1262,6 +1262,7 @@ inline int64_t leading_keys(const std::vector<int32_t>& seen) {
 
 struct AttentionScratch {
   std::vector<float> all, scores, acc, qf;
+  std::vector<uint32_t> pairs;  // the queries as pairs for the dot-product scores (`query_pairs`)
   std::vector<char> hit;  // the tiles an item's rows see keys in
   float total[16];
   explicit AttentionScratch(int64_t d) : qf(static_cast<size_t>(16 * d)) {}
@@ -1278,11 +1279,38 @@ struct AttentionScratch {
 // out + g * stride + key, B tiles at a time (which tiles share a call changes no bit: each score is its own chain):
 // from the cache's key tiles (kc: fp32 [tile, d, 16] or pairs [tile, d / 2, 16]), else gathered from the keys' rows
 // (kk [n, d]); without AVX-512 from fp32 tiles built for the call (kt).
+#if defined(LOSSLESS_DPBF16)
+constexpr int64_t MAX_STEPS = 128;  // the head dim's pairs the dot-product scores take at most
+#endif
+// whether score_range scores on the dot-product instruction (from the cache's bf16 key tiles), which takes the
+// queries as pairs (`query_pairs`)
+template <typename T>
+inline bool dot_scores(const uint32_t* kc, int64_t d) {
+#if defined(LOSSLESS_DPBF16)
+  return std::is_same_v<T, at::BFloat16> && kc != nullptr && d % 2 == 0 && d / 2 <= MAX_STEPS && !widen_bf16();
+#else
+  (void)kc;
+  (void)d;
+  return false;
+#endif
+}
+
+// the pairs of `count` queries (qf [count, d], fp32 widened from bf16) for the dot-product instruction, which
+// takes a pair's high half first: element 2i in the high half, 2i + 1 in the low ([count, d / 2])
+inline void query_pairs(const float* qf, int64_t count, int64_t d, uint32_t* pairs) {
+  const int64_t steps = d / 2;
+  for (int64_t g = 0; g < count; ++g)
+    for (int64_t i = 0; i < steps; ++i)
+      pairs[g * steps + i] = (__builtin_bit_cast(uint32_t, qf[g * d + 2 * i]) & 0xFFFF0000u) |
+                             (__builtin_bit_cast(uint32_t, qf[g * d + 2 * i + 1]) >> 16);
+}
+
 template <int Q, typename T>
 inline void score_range(const float* qf, int64_t d, const float* kt, const T* kk, int64_t n, const uint32_t* kc,
-                        int64_t tile0, int64_t tile1, float* out, int64_t stride) {
+                        int64_t tile0, int64_t tile1, float* out, int64_t stride, const uint32_t* prepared = nullptr) {
   constexpr int B = Q <= 3 ? 4 : (Q <= 6 ? 3 : 2);  // Q * B accumulators within the 32 (AVX-512) registers
   int64_t tile = tile0;
+  (void)prepared;
 #if defined(LOSSLESS_V16_AVX512)
   (void)kt;
   if (kc != nullptr && std::is_same_v<T, float>) {  // the cache's own key tiles: fp32 [tile, d, 16]
@@ -1292,14 +1320,14 @@ inline void score_range(const float* qf, int64_t d, const float* kt, const T* kk
   } else if (kc != nullptr && d % 2 == 0) {  // pairs [tile, d / 2, 16]
     const int64_t steps = d / 2;
 #if defined(LOSSLESS_DPBF16)
-    constexpr int64_t MAX_STEPS = 128;
-    if (std::is_same_v<T, at::BFloat16> && !widen_bf16() && steps <= MAX_STEPS) {
-      constexpr int BD = Q <= 3 ? 6 : (Q <= 6 ? 4 : (Q <= 14 ? 2 : 1));  // Q * BD + BD + 1 registers
-      uint32_t pairs[Q * MAX_STEPS];
-      for (int g = 0; g < Q; ++g)
-        for (int64_t i = 0; i < steps; ++i)
-          pairs[g * steps + i] = (__builtin_bit_cast(uint32_t, qf[g * d + 2 * i]) & 0xFFFF0000u) |
-                                 (__builtin_bit_cast(uint32_t, qf[g * d + 2 * i + 1]) >> 16);
+    if (dot_scores<T>(kc, d)) {
+      constexpr int BD = Q <= 3 ? 6 : (Q <= 6 ? 4 : (Q <= 9 ? 3 : (Q <= 14 ? 2 : 1)));  // Q * BD + BD + 1 registers
+      uint32_t own[Q * MAX_STEPS];
+      const uint32_t* pairs = prepared;
+      if (pairs == nullptr) {
+        query_pairs(qf, Q, d, own);
+        pairs = own;
+      }
       for (; tile + BD <= tile1; tile += BD)
         score_dot_tiles<Q, BD>(pairs, steps, kc + tile * steps * LANES, out + tile * LANES, stride);
       for (; tile < tile1; ++tile) score_dot_tiles<Q, 1>(pairs, steps, kc + tile * steps * LANES, out + tile * LANES, stride);
@@ -1447,13 +1475,16 @@ struct Attention {
   int64_t kcs = 0;
   int64_t rows = 0, rows_per = 1;
   // split: each item's work spread over the threads in three passes (see `split_unit`), with `segs` segments of
-  // keys, rows of `width` scores, `chunks` chunks of 16 * `lanes_c` head-dim lanes
+  // keys, rows of `width` scores, the values by `qparts` parts of the queries and `chunks` chunks of 16 *
+  // `lanes_c` head-dim lanes
   bool split = false;
-  int64_t segs = 0, width = 0, chunks = 1, lanes_c = 4;
+  int64_t segs = 0, width = 0, qparts = 1, chunks = 1, lanes_c = 4;
 
   static constexpr int MOST_QUERIES = 9;  // rows x heads one item takes at most
   static constexpr int64_t SPLIT_KEYS = 1024;  // split from this many keys a row (below, the passes cost more)
   static constexpr int64_t SEGMENT = 512;  // keys a score unit takes (a multiple of 16)
+  static constexpr int64_t SPLIT_ROWS = 16;  // the most rows a split takes (more: items, which share out evenly)
+  static constexpr int64_t OWN_KEYS = 64;  // the most keys past its lead a row of a split sees
 
   Attention with_items(int64_t m, int threads) const {
     Attention a = *this;
@@ -1483,110 +1514,211 @@ struct Attention {
     return a.with_split(threads);
   }
 
-  // Where items would leave threads idle (fewer items of one row and all heads of a kv head than twice the
-  // threads: a decode step or a short chain over a long context), and every row sees the cache's first keys
-  // 0, 1, .., each item's work is spread over the threads instead, in three passes: scores and their maxima by
-  // segments of keys; exp by the same segments; weighted values by chunks of the head dim. Every output is
-  // the same chain of the same operations as in `attend_rows` (the maximum of a set is the same whichever
-  // segment finds it), so the same bits.
+  // Where every row sees the cache's first 1,024 keys or more, 0, 1, .. (a decode step, or a chain or tree of up
+  // to 16 rows over a long context, each row seeing a few keys of its own past those), items would leave threads
+  // idle or read each kv head's keys and values once per block of rows. Each item (all the rows, one kv head, up
+  // to four of its heads) is spread over the threads instead, in three passes: scores and their maxima by
+  // segments of keys; exp by the same segments; weighted values by parts of the item's queries and chunks of the
+  // head dim. Every output is the same chain of the same operations as in `attend_rows` (the maximum of a set is
+  // the same whichever segment finds it), so the same bits.
   Attention with_split(int threads) const {
-    int64_t widest = 0;
+    int64_t span = 0;  // the keys up to the last one any row sees
     bool leading = rows > 0;
     for (int64_t r = 0; r < rows; ++r) {
       const std::vector<int32_t>& k = (*keys)[r];
-      leading = leading && !k.empty() && k.back() + 1 == static_cast<int64_t>(k.size());
-      widest = std::max<int64_t>(widest, static_cast<int64_t>(k.size()));
+      const int64_t m = static_cast<int64_t>(k.size()), lead = leading_keys(k);
+      // one row: every key it sees a leading one; several: each may see up to OWN_KEYS others past its lead (a tree)
+      leading = leading && m > 0 && lead >= SPLIT_KEYS && m - lead <= (rows == 1 ? 0 : OWN_KEYS);
+      span = std::max<int64_t>(span, m > 0 ? k.back() + 1 : 0);
     }
     const int64_t all_heads = (groups + 3) / 4, singles = rows * kvh * all_heads;
-    if (threads < 2 || !leading || widest < SPLIT_KEYS || singles >= 2 * threads) return *this;
+    if (threads < 2 || !leading || rows > SPLIT_ROWS || (rows == 1 && singles >= 2 * threads)) return *this;
     Attention a = *this;
     a.split = true;
     a.per = 4;
     a.parts = all_heads;
-    a.rows_per = 1;
-    a.width = (widest + LANES - 1) / LANES * LANES;
-    a.segs = (widest + SEGMENT - 1) / SEGMENT;
-    // chunks of 64 lanes: a thread reading half of each 128-byte pair of cache lines would draw the whole
-    // pair from memory all the same (the other half comes with it), so narrower chunks save no reads
-    a.lanes_c = 4;
-    a.chunks = (dp / LANES + 3) / 4;
+    a.rows_per = rows;
+    a.width = (span + LANES - 1) / LANES * LANES;
+    a.segs = (span + SEGMENT - 1) / SEGMENT;
+    if (rows == 1) {
+      // chunks of 64 lanes: a thread reading half of each 128-byte pair of cache lines would draw the whole
+      // pair from memory all the same (the other half comes with it), so narrower chunks save no reads
+      a.lanes_c = 4;
+      a.chunks = (dp / LANES + 3) / 4;
+      return a;
+    }
+    // several rows: each value unit takes every lane of a part of the item's queries; the parts that leave the
+    // busiest thread the least (a part costs a read of the values, READ queries' worth, and its queries)
+    a.lanes_c = dp / LANES;
+    a.chunks = 1;
+    constexpr int64_t READ = 5;
+    const int64_t queries = rows * std::min<int64_t>(4, groups);
+    int64_t least = INT64_MAX;
+    for (int64_t parts_q = 1; parts_q <= 4; ++parts_q) {
+      const int64_t count = a.items() * parts_q, each = (queries + parts_q - 1) / parts_q;
+      const int64_t busiest = (count + threads - 1) / threads * (READ + each);
+      if (busiest < least) {
+        least = busiest;
+        a.qparts = parts_q;
+      }
+    }
     return a;
   }
   int64_t items() const { return (rows + rows_per - 1) / rows_per * kvh * parts; }
   // units of split pass 0 (scores and maxima), 1 (exp) and 2 (weighted values)
-  int64_t split_units(int pass) const { return items() * (pass < 2 ? segs : chunks); }
+  int64_t split_units(int pass) const { return items() * (pass < 2 ? segs : qparts * chunks); }
 
-  // the scratch the threads share in a split: scores [item, head, width], maxima [item, head, segs], sums [item,
-  // head, dp]
+  // the scratch the threads share in a split: scores [item, query, width], maxima [item, query, segs], sums [item,
+  // query, dp] (an item's queries row by row, each row's heads in order)
   struct Shared {
     std::vector<float> scores, most, acc;
     void size_for(const Attention& a) {
-      const int64_t heads = a.items() * a.per;
-      scores.resize(static_cast<size_t>(heads * a.width));
-      most.resize(static_cast<size_t>(heads * a.segs));
-      acc.resize(static_cast<size_t>(heads * a.dp));
+      const int64_t queries = a.items() * a.rows_per * a.per;
+      scores.resize(static_cast<size_t>(queries * a.width));
+      most.resize(static_cast<size_t>(queries * a.segs));
+      acc.resize(static_cast<size_t>(queries * a.dp));
     }
   };
+  std::array<int64_t, 4> shared_shape() const { return {items() * rows_per * per, width, segs, dp}; }
+
+  // A row's keys in a split: 0 .. lead - 1, then m - lead others (`own`, in cache order, past the lead).
+  struct Seen {
+    int64_t lead, m;
+    const int32_t* own;
+  };
+  Seen seen_by(int64_t row) const {
+    const std::vector<int32_t>& k = (*keys)[row];
+    const int64_t lead = leading_keys(k);
+    return {lead, static_cast<int64_t>(k.size()), k.data() + lead};
+  }
 
   void split_unit(int pass, int64_t u, AttentionScratch& s, Shared& w) const {
-    const int64_t a = u / (pass < 2 ? segs : chunks), part = u % (pass < 2 ? segs : chunks);
-    const int64_t row = a / (kvh * parts), kv = a / parts % kvh, h0 = kv * groups + a % parts * per;
+    const int64_t a = u / (pass < 2 ? segs : qparts * chunks), part = u % (pass < 2 ? segs : qparts * chunks);
+    const int64_t row0 = a / (kvh * parts) * rows_per, kv = a / parts % kvh, h0 = kv * groups + a % parts * per;
     const int64_t g_count = std::min<int64_t>(per, kv * groups + groups - h0);
-    const int64_t m = static_cast<int64_t>((*keys)[row].size());
-    float* sc = w.scores.data() + a * per * width;
+    const int64_t count = std::min(rows_per, rows - row0), queries = count * g_count;
+    float* sc = w.scores.data() + a * rows_per * per * width;  // query q's scores at sc + q * width
     if (pass < 2) {
-      const int64_t j0 = std::min(m, part * SEGMENT), j1 = std::min(m, j0 + SEGMENT);
-      float* most = w.most.data() + a * per * segs;
+      float* most = w.most.data() + a * rows_per * per * segs;
+      const int64_t j0 = part * SEGMENT, j1 = std::min(width, j0 + SEGMENT);
       if (pass == 0) {
-        for (int64_t e = 0; e < g_count * d; ++e) s.qf[e] = to_float(qp[(row * h + h0) * d + e]);
+        s.qf.resize(static_cast<size_t>(std::max<int64_t>(16, queries) * d));
+        for (int64_t r = 0; r < count; ++r)
+          for (int64_t e = 0; e < g_count * d; ++e) s.qf[r * g_count * d + e] = to_float(qp[((row0 + r) * h + h0) * d + e]);
         const uint32_t* kck = kc == nullptr ? nullptr : kc + kv * kcs;
         const float* ktk = kt == nullptr ? nullptr : kt + kv * tiles * d * LANES;
-        const int64_t t0 = j0 / LANES, t1 = (j1 + LANES - 1) / LANES;
-        switch (g_count) {
-          case 1: score_range<1>(s.qf.data(), d, ktk, kp + kv * ks, n, kck, t0, t1, sc, width); break;
-          case 2: score_range<2>(s.qf.data(), d, ktk, kp + kv * ks, n, kck, t0, t1, sc, width); break;
-          case 3: score_range<3>(s.qf.data(), d, ktk, kp + kv * ks, n, kck, t0, t1, sc, width); break;
-          default: score_range<4>(s.qf.data(), d, ktk, kp + kv * ks, n, kck, t0, t1, sc, width); break;
+        const int64_t steps = d / 2;
+        const bool dots = dot_scores<T>(kck, d);
+        if (dots) {
+          s.pairs.resize(static_cast<size_t>(queries * steps));
+          query_pairs(s.qf.data(), queries, d, s.pairs.data());
+        }
+        // a few tiles at a time, all the queries in turns of up to nine: each key read from memory once
+        constexpr int64_t TURN_TILES = 6;
+        for (int64_t tb = j0 / LANES; tb < j1 / LANES; tb += TURN_TILES) {
+          const int64_t te = std::min(j1 / LANES, tb + TURN_TILES);
+          for (int64_t q0 = 0; q0 < queries; q0 += Attention::MOST_QUERIES) {
+            const float* qf = s.qf.data() + q0 * d;
+            const uint32_t* pairs = dots ? s.pairs.data() + q0 * steps : nullptr;
+            const T* kk = kp + kv * ks;
+            float* out = sc + q0 * width;
+#define LOSSLESS_SCORES(Q) \
+  case Q: score_range<Q>(qf, d, ktk, kk, n, kck, tb, te, out, width, pairs); break;
+            switch (std::min<int64_t>(Attention::MOST_QUERIES, queries - q0)) {
+              LOSSLESS_SCORES(1) LOSSLESS_SCORES(2) LOSSLESS_SCORES(3) LOSSLESS_SCORES(4) LOSSLESS_SCORES(5)
+              LOSSLESS_SCORES(6) LOSSLESS_SCORES(7) LOSSLESS_SCORES(8) default: LOSSLESS_SCORES(9)
+            }
+#undef LOSSLESS_SCORES
+          }
         }
       }
-      for (int64_t g = 0; g < g_count; ++g) {
-        float* sp = sc + g * width;
+      for (int64_t q = 0; q < queries; ++q) {  // over the keys of the segment the query's row sees
+        const Seen v = seen_by(row0 + q / g_count);
+        const int64_t d1 = std::min(v.lead, j1), d0 = std::min(d1, j0);
+        float* sp = sc + q * width;
         if (pass == 0) {
 #pragma omp simd
-          for (int64_t j = j0; j < j1; ++j) sp[j] = sp[j] * scale;
-          most[g * segs + part] = largest(sp, j0, j1);
+          for (int64_t j = d0; j < d1; ++j) sp[j] = sp[j] * scale;
+          float best = largest(sp, d0, d1);
+          for (const int32_t* k = v.own; k < v.own + (v.m - v.lead); ++k)
+            if (*k >= j0 && *k < j1) {
+              sp[*k] = sp[*k] * scale;
+              best = sp[*k] > best ? sp[*k] : best;
+            }
+          most[q * segs + part] = best;
         } else {
           float best = -INFINITY;
-          for (int64_t p = 0; p < segs; ++p) best = most[g * segs + p] > best ? most[g * segs + p] : best;
-          exp_shifted(sp, j0, j1, best);
+          for (int64_t p = 0; p < segs; ++p) best = most[q * segs + p] > best ? most[q * segs + p] : best;
+          exp_shifted(sp, d0, d1, best);
+          for (const int32_t* k = v.own; k < v.own + (v.m - v.lead); ++k)
+            if (*k >= j0 && *k < j1) sp[*k] = exp_fixed(sp[*k] - best);
         }
       }
       return;
     }
-    const int64_t t0 = part * lanes_c * LANES;
-    float* acc = w.acc.data() + a * per * dp;
+    // pass 2: queries q0 .. q1 - 1 of the item, lanes t0 .. t1 - 1. Each query's scores first as its row sees
+    // them (its own keys' moved next to its lead, in order: the sum and the chains read them so); then each chain
+    // over the keys every row of the item sees (0 .. common - 1), and on over its own row's others.
+    const int64_t each = (queries + qparts - 1) / qparts, q0 = std::min(queries, part / chunks * each);
+    const int64_t q1 = std::min(queries, q0 + each), t0 = part % chunks * lanes_c * LANES;
+    const int64_t t1 = std::min(dp, t0 + lanes_c * LANES);
+    int64_t common = INT64_MAX;
+    for (int64_t r = 0; r < count; ++r) common = std::min(common, seen_by(row0 + r).lead);
+    if (chunks == 1)  // (with chunks, one row that sees only leading keys: nothing to move)
+      for (int64_t q = q0; q < q1; ++q) {
+        const Seen v = seen_by(row0 + q / g_count);
+        float* sp = sc + q * width;
+        for (int64_t i = 0; i < v.m - v.lead; ++i) sp[v.lead + i] = sp[v.own[i]];  // own[i] >= lead + i
+      }
+    float* acc = w.acc.data() + a * rows_per * per * dp;
     const T* vk = vp + kv * vs;
+    for (int64_t t = t0; t < t1; t += 4 * LANES) {
+      const int64_t c = std::min<int64_t>(4, (t1 - t) / LANES);
+      chain_values(c, q0, q1, sc, nullptr, 0, common, vk, t, acc, false);
+      for (int64_t q = q0; q < q1;) {  // each row's own keys, its queries together
+        const int64_t row = row0 + q / g_count, end = std::min(q1, (q / g_count + 1) * g_count);
+        const Seen v = seen_by(row);
+        const int32_t* order = v.m > v.lead ? (*keys)[row].data() : nullptr;  // past the lead: gathered
+        if (v.m > common) chain_values(c, q, end, sc, order, common, v.m, vk, t, acc, true);
+        q = end;
+      }
+    }
+    for (int64_t q = q0; q < q1; ++q) {
+      const float total = total_of(sc + q * width, seen_by(row0 + q / g_count).m);
+      T* o = op + ((row0 + q / g_count) * h + h0 + q % g_count) * d;
+      for (int64_t e = t0; e < std::min(d, t1); ++e) o[e] = from_float<T>(acc[q * dp + e] / total);
+    }
+  }
+
+  // the chains of queries q0 .. q1 - 1 (scores at sc + q * width, sums at acc + q * dp) over keys j0 .. j1 - 1 for
+  // c chunks of lanes from t: up to six queries share each value read, more in turns over blocks of keys
+  void chain_values(int64_t c, int64_t q0, int64_t q1, const float* sc, const int32_t* order, int64_t j0, int64_t j1,
+                    const T* vk, int64_t t, float* acc, bool resume) const {
+    constexpr int64_t SIX = 6, BLOCK = 64;
+    const int64_t block = q1 - q0 > SIX ? BLOCK : std::max<int64_t>(1, j1 - j0);
+    int64_t jb = j0;
+    do {  // at least once: no keys still sets the chains to zero (or keeps them, resuming)
+      const int64_t je = std::min(j1, jb + block);
+      const bool more = resume || jb > j0;
+      const int64_t turns = (q1 - q0 + SIX - 1) / SIX;  // groups as even as they go (a group of one waits on its chains)
+      for (int64_t i = 0; i < turns; ++i) {
+        const int64_t q = q0 + (q1 - q0) * i / turns, g = q0 + (q1 - q0) * (i + 1) / turns - q;
+        const float* sq = sc + q * width;
+        float* aq = acc + q * dp;
 #define LOSSLESS_VALUES(G, C) \
-  case G * 10 + C: weighted_values<G, C>(sc, width, nullptr, 0, m, vk, d, dp, t0, acc, false); break;
-    switch (g_count * 10 + std::min<int64_t>(lanes_c, (dp - t0) / LANES)) {
-      LOSSLESS_VALUES(1, 1) LOSSLESS_VALUES(1, 2) LOSSLESS_VALUES(1, 4) LOSSLESS_VALUES(2, 1) LOSSLESS_VALUES(2, 2)
-      LOSSLESS_VALUES(2, 4) LOSSLESS_VALUES(3, 1) LOSSLESS_VALUES(3, 2) LOSSLESS_VALUES(3, 4) LOSSLESS_VALUES(4, 1)
-      LOSSLESS_VALUES(4, 2) LOSSLESS_VALUES(4, 4)
-      default:  // a last chunk of three 16-lane steps: one at a time
-        for (int64_t t = t0; t < std::min(dp, t0 + lanes_c * LANES); t += LANES)
-          switch (g_count) {
-            case 1: weighted_values<1, 1>(sc, width, nullptr, 0, m, vk, d, dp, t, acc, false); break;
-            case 2: weighted_values<2, 1>(sc, width, nullptr, 0, m, vk, d, dp, t, acc, false); break;
-            case 3: weighted_values<3, 1>(sc, width, nullptr, 0, m, vk, d, dp, t, acc, false); break;
-            default: weighted_values<4, 1>(sc, width, nullptr, 0, m, vk, d, dp, t, acc, false); break;
-          }
-    }
+  case G * 10 + C: weighted_values<G, C>(sq, width, order, jb, je, vk, d, dp, t, aq, more); break;
+        switch (g * 10 + c) {
+          LOSSLESS_VALUES(1, 1) LOSSLESS_VALUES(1, 2) LOSSLESS_VALUES(1, 3) LOSSLESS_VALUES(1, 4)
+          LOSSLESS_VALUES(2, 1) LOSSLESS_VALUES(2, 2) LOSSLESS_VALUES(2, 3) LOSSLESS_VALUES(2, 4)
+          LOSSLESS_VALUES(3, 1) LOSSLESS_VALUES(3, 2) LOSSLESS_VALUES(3, 3) LOSSLESS_VALUES(3, 4)
+          LOSSLESS_VALUES(4, 1) LOSSLESS_VALUES(4, 2) LOSSLESS_VALUES(4, 3) LOSSLESS_VALUES(4, 4)
+          LOSSLESS_VALUES(5, 1) LOSSLESS_VALUES(5, 2) LOSSLESS_VALUES(5, 3) LOSSLESS_VALUES(5, 4)
+          LOSSLESS_VALUES(6, 1) LOSSLESS_VALUES(6, 2) LOSSLESS_VALUES(6, 3) default: LOSSLESS_VALUES(6, 4)
+        }
 #undef LOSSLESS_VALUES
-    for (int64_t g = 0; g < g_count; ++g) {
-      const float total = total_of(sc + g * width, m);
-      T* o = op + (row * h + h0 + g) * d;
-      for (int64_t e = t0; e < std::min(d, t0 + lanes_c * LANES); ++e) o[e] = from_float<T>(acc[g * dp + e] / total);
-    }
+      }
+      jb = je;
+    } while (jb < j1);
   }
 
   void item(int64_t a, AttentionScratch& s) const {
@@ -2348,7 +2480,7 @@ struct StackRun {
                                              keys_n, tiles_n, 1, 1, static_cast<float>(L.scaling), &seen, tc, tstride}
                                     .with_items(m, threads);
       if (plan.split) {
-        const std::array<int64_t, 4> shape{plan.items() * plan.per, plan.width, plan.segs, plan.dp};
+        const std::array<int64_t, 4> shape = plan.shared_shape();
         if (shape != split_shape) {  // the same on every thread: the plan is
           split_shape = shape;
           if (t == 0) split_scratch.size_for(plan);
