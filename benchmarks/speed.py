@@ -138,7 +138,7 @@ def run_variant(model, kind, setting, ids, max_new_tokens, args, trees, fused, c
     if kind == "default":  # what `lossless generate` runs with no cycle options: chosen from this CPU's costs
         if model.head_digest == UNTRAINED:  # as `generate`: the chain and lookup
             return run_ours(model, ids, max_new_tokens, "orthrus", None, tree=0, lookup=DEFAULT_LOOKUP)
-        choice = model.default_choice()
+        choice = model.default_choice(context=len(ids))  # as `generate` chooses for its prompt's length
         return run_ours(model, ids, max_new_tokens, choice.mode, None, tree=choice.tree, lookup=choice.lookup)
     return run_ours(model, ids, max_new_tokens, kind, args.k)
 

@@ -502,16 +502,25 @@ def cmd_costs(args) -> int:
     choice = model.default_choice() if model.head_digest != UNTRAINED else cycles.Choice(
         "orthrus", 0, DEFAULT_LOOKUP, f"{cycles.label(0, DEFAULT_LOOKUP)}: the head is untrained (its runners-up are "
         f"not worth verifying; --head DIR loads a trained one)", {})
+    # the default by the prompt's length: past the short context the measured costs grow with it
+    contexts = [n for n in cycles.SHOWN_CONTEXTS if n < model.max_positions] if costs.get("long") else []
+    by_context = {n: model.default_choice(context=n) for n in contexts} if model.head_digest != UNTRAINED else {}
     if args.json:
-        print(json.dumps({"costs": costs, "choice": choice.to_dict(), "profile": str(cycles.profile_path(model))}))
+        print(json.dumps({"costs": costs, "choice": choice.to_dict(), "profile": str(cycles.profile_path(model)),
+                          "by_context": {str(n): c.to_dict() for n, c in by_context.items()}}))
         return 0
-    step = cycles.cost_at(costs, 1)
+    step, long = cycles.cost_at(costs, 1), costs.get("long")
     print(f"forward costs on {costs['cpu']} ({costs['variant']}, {costs['threads']} threads, {model.dtype_name} "
           f"{model.attn}; measured {costs['date']}, cached in {cycles.costs_path(model)}):")
-    print(f"  {'forward':<18}{'ms':>8}{'steps':>8}")
+    after = [f"after {costs.get('cache_len', '?')}"] + ([f"after {long['cache_len']}"] if long else [])
+    print(f"  {'forward':<18}" + "".join(f"{a + ': ms':>18}{'steps':>8}" for a in after))
+
+    def line(name: str, *ms: float) -> None:
+        steps = [step] + ([cycles.cost_at(long, 1)] if long else [])
+        print(f"  {name:<18}" + "".join(f"{m:>18.2f}{m / s:>8.2f}" for m, s in zip(ms, steps)))
     for rows, ms in costs["rows"].items():
-        print(f"  {('verify ' + rows + ' row' + ('s' if rows != '1' else '')):<18}{ms:>8.2f}{ms / step:>8.2f}")
-    print(f"  {'draft pass k=' + str(model.k):<18}{costs['draft']:>8.2f}{costs['draft'] / step:>8.2f}")
+        line("verify " + rows + " row" + ("s" if rows != "1" else ""), ms, *([cycles.cost_at(long, int(rows))] if long else []))
+    line("draft pass k=" + str(model.k), costs["draft"], *([long["draft"]] if long else []))
     keep = costs.get("bookkeeping", {})
     if keep:
         print(f"bookkeeping outside the forwards: {keep['ar']:.2f} ms per AR step, {keep['chain']:.2f} ms per chain "
@@ -522,6 +531,12 @@ def cmd_costs(args) -> int:
             mark = " <- default" if choice.mode == "orthrus" and name == cycles.label(choice.tree, choice.lookup) else ""
             print(f"  {name:<22}{x:>6.2f}x{mark}")
     print(f"default: {choice.why}")
+    if by_context:
+        print("the default by the prompt's length:")
+        for n, c in by_context.items():
+            best = max(c.predicted.values(), default=None)
+            said = f" (the best cycle predicts {best:.2f}x AR)" if best is not None else ""
+            print(f"  after {n:>6,} tokens: {cycles.label(c.tree, c.lookup) if c.mode == 'orthrus' else 'AR'}{said}")
     return 0
 
 

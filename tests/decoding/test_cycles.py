@@ -59,6 +59,34 @@ def test_a_cycle_must_clear_the_margin_not_just_ar():
     assert cycles.choose({"candidates": PROFILE["candidates"][:1]}, costs, margin=1.2).mode == "ar"
 
 
+# the same CPU's costs after 100 positions (rows nearly a step, AMX-like) and after 4,100 (each row reads the whole
+# cache: 9 rows 2.0 steps, 33 rows 5.0)
+LONG = {**AMX, "cache_len": 100, "long": {"cache_len": 4100, "rows": {"1": 2.0, "9": 4.0, "13": 5.0, "17": 6.0,
+                                                                        "32": 10.0}, "draft": 3.0}}
+
+
+def test_costs_after_a_long_context_are_linear_in_it_between_and_past_the_two_measured():
+    assert cycles.at_context(LONG, None) is LONG and cycles.at_context(LONG, 100) is LONG
+    assert cycles.at_context(LONG, 40) is LONG and cycles.at_context(AMX, 9000) is AMX  # shorter; none measured
+    half = cycles.at_context(LONG, 2100)  # halfway
+    assert half["rows"]["1"] == pytest.approx(1.5) and half["rows"]["9"] == pytest.approx((1.02 + 4.0) / 2)
+    assert half["draft"] == pytest.approx((1.02 + 3.0) / 2) and half["context"] == 2100
+    past = cycles.at_context(LONG, 8100)  # on along the same line
+    assert past["rows"]["1"] == pytest.approx(3.0) and past["rows"]["32"] == pytest.approx(1.10 + 2 * (10.0 - 1.10))
+    at_long = cycles.at_context(LONG, 4100)
+    assert all(at_long["rows"][r] == pytest.approx(LONG["long"]["rows"][r]) for r in LONG["rows"])
+    assert set(at_long["rows"]) == set(LONG["rows"])  # the short table's row counts, the long one's interpolated
+
+
+def test_a_long_prompt_chooses_ar_where_its_rows_cost_too_much():
+    short = cycles.choose(PROFILE, LONG, context=50)
+    assert (short.mode, short.tree) == ("orthrus", 32) and short.why == cycles.choose(PROFILE, AMX).why
+    far = cycles.choose(PROFILE, LONG, context=4100)  # chain: 100 x 2 / (40 x (3 + 4)) = 0.71
+    assert far.mode == "ar" and far.predicted["chain"] == pytest.approx(100 * 2.0 / (40 * 7.0), abs=1e-3)
+    assert "after 4,100 tokens" in far.why
+    assert cycles.valid_costs({"version": cycles.COSTS_VERSION, **LONG})
+
+
 def test_bookkeeping_outside_the_forwards_counts_per_cycle_and_per_ar_step():
     keep = {"ar": 0.5, "chain": 1.0, "tree 32": 3.0}
     assert cycles.bookkeeping_at({"bookkeeping": keep}, 0) == 1.0
@@ -154,6 +182,9 @@ def test_costs_are_measured_once_then_read_from_the_cache(trained, cache, monkey
     assert all(ms > 0 for ms in first["rows"].values()) and first["draft"] > 0
     assert set(first["bookkeeping"]) == {"ar", "chain", "tree 32"} and min(first["bookkeeping"].values()) >= 0
     assert first["variant"] != "stock" and first["key"] == cycles.costs_key(trained)
+    long = first["long"]  # after the longest prompt the tiny model's 256 positions leave room for
+    assert long["cache_len"] == 256 - max(cycles.COST_ROWS) - trained.k - 2 and set(long["rows"]) == set(first["rows"])
+    assert all(ms > 0 for ms in long["rows"].values()) and long["draft"] > 0 and first["cache_len"] == 16
     assert cycles.cached_costs(trained) == first and measured == [12]  # from the cache
     cycles.cached_costs(trained, remeasure=True)
     assert measured == [12, 12]
@@ -195,9 +226,12 @@ def test_a_watch_inside_a_watch_counts_in_both_and_leaves_the_model_as_it_was(tr
     ('{"version": 1, "candidates": []}', None),  # no candidates
     ('[1, 2]', None),  # JSON, not an object
     ('{"version": 1, "candidates": [{"tree": 0, "lookup": 0, "tokens": 0, "drafts": 0, "verifies": {}}]}', None),
-    (None, '{"version": 2, "rows": {"1": 10.0}, "draft": 12.0}'),  # one row count: nothing to interpolate
+    (None, '{"version": 3, "rows": {"1": 10.0}, "draft": 12.0}'),  # one row count: nothing to interpolate
     (None, '["not", "costs"]'),
-    (None, '{"version": 2, "rows": {"1": 10.0, "9": -1}, "draft": 12.0}'),
+    (None, '{"version": 3, "rows": {"1": 10.0, "9": -1}, "draft": 12.0}'),
+    (None, '{"version": 2, "rows": {"1": 10.0, "9": 12.0}, "draft": 12.0}'),  # the version before long contexts
+    (None, '{"version": 3, "cache_len": 100, "rows": {"1": 10.0, "9": 12.0}, "draft": 12.0, '
+           '"long": {"cache_len": 50, "rows": {"1": 20.0, "9": 40.0}, "draft": 30.0}}'),  # a "long" one shorter
 ])
 def test_a_bad_profile_or_costs_file_falls_back_instead_of_failing(trained, cache, profile_text, costs_text):
     (cache / "cycles").mkdir(exist_ok=True)
@@ -209,7 +243,7 @@ def test_a_bad_profile_or_costs_file_falls_back_instead_of_failing(trained, cach
     if costs_text is not None:
         path = cycles.costs_path(trained)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(costs_text.replace('"version": 2,', f'"version": 2, "key": "{cycles.costs_key(trained)}",'))
+        path.write_text(costs_text.replace('"rows"', f'"key": "{cycles.costs_key(trained)}", "rows"', 1))
     choice = trained.default_choice()  # no traceback: a fixed default, or costs measured again
     assert choice.mode in ("ar", "orthrus")
     if profile_text is not None:
@@ -245,6 +279,17 @@ def test_generate_runs_the_choice_and_says_why(trained, cache, costs, want):
         assert out.stats["forwards"] == len(out.token_ids)  # the prefill's token, then one step per token
     ar = trained.generate(PROMPTS[0], mode="ar", max_new_tokens=8)
     assert out.token_ids == ar.token_ids and ar.config["choice"] is None  # exact: the same tokens either way
+
+
+def test_generate_chooses_for_its_prompts_length(trained, cache):
+    _write_profile(trained, cache, PROFILE["candidates"])
+    _costs_file(trained, cache, {**LONG, "cache_len": 16, "long": {**LONG["long"], "cache_len": 116}})
+    short = trained.generate(PROMPTS[0], max_new_tokens=6).config  # 7 tokens: as measured after 16
+    assert (short["mode"], short["tree"]) == ("orthrus", 32)
+    prompt = (PROMPTS[0] * 20)[:110]  # 110 tokens, most of the way to the long costs
+    long = trained.generate(prompt, max_new_tokens=6)
+    assert long.config["mode"] == "ar" and "after 110 tokens" in long.config["choice"]["why"]
+    assert long.token_ids == trained.generate(prompt, mode="ar", max_new_tokens=6).token_ids
 
 
 def test_explicit_cycles_and_untrained_heads_keep_the_fixed_defaults(trained, cache, monkeypatch):

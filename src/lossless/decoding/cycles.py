@@ -10,10 +10,14 @@ steps (VDPBF16PS on 2 Intel vCPUs), even the 8-node tree is AR's speed. So the d
   recorded once per head (`record_profile`; `lossless costs --profile` for a head of one's own) and the shipped
   head brings its own (`heads/<model>/cycles.json`);
 - the **forward costs** of this CPU, measured once per kernel build, CPU model, thread count, model and dtype
-  (`measure_costs`: forwards of 1 to 40 rows and the draft pass, alternating, the first quartile over rounds;
-  a cycle's bookkeeping outside its forwards) and cached under `cache_dir()/cycles`; `lossless costs --remeasure` measures again;
-- the **choice** (`choose`): each candidate's predicted speed-up over AR is its tokens times a step's cost over
-  the sum of its forwards' costs (row counts between the measured ones interpolated); the best one runs if it
+  (`measure_costs`: forwards of 1 to 40 rows and the draft pass, alternating, the first quartile over rounds,
+  after a short prompt and after a long one; a cycle's bookkeeping outside its forwards) and cached under
+  `cache_dir()/cycles`; `lossless costs --remeasure` measures again. A long context makes every forward dearer and
+  the many-row ones most (each row reads the whole cache): at 6,000 tokens on machine D a 9-row verify costs 1.8
+  steps, against 1.15 after 100, and no cycle pays there;
+- the **choice** (`choose`), for a request's context (its prompt's length): each candidate's predicted speed-up
+  over AR is its tokens times a step's cost over the sum of its forwards' costs (row counts between the measured
+  ones interpolated, contexts between and past the two measured ones linearly); the best one runs if it
   predicts at least MARGIN x AR, else AR does, so that the default is not slower than exact AR where the
   prediction errs by up to that much. The costs include each cycle's bookkeeping outside its forwards
   (accepting, committing, building the tree), measured on short decodes.
@@ -46,7 +50,9 @@ COST_ROWS = (1, 5, 9, 13, 17, 24, 32, 40)  # verify rows whose cost is measured;
 MARGIN = 1.15
 PROFILE_FILE = "cycles.json"
 PROFILE_VERSION = 1
-COSTS_VERSION = 2
+COSTS_VERSION = 3
+LONG_CONTEXT = 4096  # the long prompt the costs are measured after too (or the model's longest that fits)
+SHOWN_CONTEXTS = (500, 1000, 2000, 4000, 8000)  # the prompt lengths `lossless costs` says the default for
 CYCLE_ENV = "LOSSLESS_CYCLE"  # "fixed": the fixed defaults (tree DEFAULT_TREE, lookup DEFAULT_LOOKUP), no measuring
 
 log = logging.getLogger("lossless")
@@ -97,6 +103,21 @@ def bookkeeping_at(costs: dict, tree: int) -> float:
     return chain + (keep.get("tree 32", chain) - chain) * tree / 32
 
 
+def at_context(costs: dict, context: int | None) -> dict:
+    """The costs of forwards after `context` cached positions: the measured short-context costs, or, where costs
+    after a long prompt were measured too (`costs["long"]`), each forward's cost linear in the context through
+    the two (past the long one along the same line; never below the short one's)."""
+    long = costs.get("long")
+    short_len = int(costs.get("cache_len", 0))
+    if context is None or not long or context <= short_len:
+        return costs
+    share = (context - short_len) / (int(long["cache_len"]) - short_len)
+    line = lambda a, b: a + (b - a) * share  # noqa: E731
+    rows = {r: round(line(float(ms), cost_at(long, int(r))), 3) for r, ms in costs["rows"].items()}
+    return {**costs, "rows": rows, "draft": round(line(float(costs["draft"]), float(long["draft"])), 3),
+            "context": int(context)}
+
+
 def predict(entry: dict, costs: dict) -> float:
     """Predicted speed-up over AR of one profiled candidate at these costs: the time AR takes for its tokens
     (a step and its bookkeeping each) over the time of the candidate's draft passes, verifies and cycles'
@@ -107,9 +128,11 @@ def predict(entry: dict, costs: dict) -> float:
     return entry["tokens"] * (cost_at(costs, 1) + costs.get("bookkeeping", {}).get("ar", 0.0)) / spent
 
 
-def choose(profile: dict, costs: dict, margin: float = MARGIN) -> Choice:
-    """The candidate of `profile` predicting the highest speed-up over AR at `costs`, if it reaches `margin`;
-    else AR. (A profile that decoded nothing has nothing to predict from: the fixed default.)"""
+def choose(profile: dict, costs: dict, margin: float = MARGIN, context: int | None = None) -> Choice:
+    """The candidate of `profile` predicting the highest speed-up over AR at `costs` after `context` cached
+    positions (None: the short context they were measured at), if it reaches `margin`; else AR. (A profile that
+    decoded nothing has nothing to predict from: the fixed default.)"""
+    costs = at_context(costs, context)
     ran = [e for e in profile["candidates"] if e["tokens"] > 0 and (e["drafts"] or e["verifies"])]
     if not ran:
         return fixed_choice(f"{label(DEFAULT_TREE, DEFAULT_LOOKUP)}: the fixed default (the head's cycle profile "
@@ -130,8 +153,9 @@ def choose(profile: dict, costs: dict, margin: float = MARGIN) -> Choice:
 
 def _cost_words(costs: dict) -> str:
     step = cost_at(costs, 1)
+    where = f" after {costs['context']:,} tokens" if "context" in costs else ""
     return (f"9 rows {cost_at(costs, 9) / step:.2f}, 17 rows {cost_at(costs, 17) / step:.2f}, "
-            f"draft {costs['draft'] / step:.2f} steps")
+            f"draft {costs['draft'] / step:.2f} steps{where}")
 
 
 # ------------------------------------------------------------------------------------------ profiles
@@ -196,15 +220,22 @@ def valid_profile(profile) -> bool:
 
 
 def valid_costs(costs) -> bool:
-    """Whether `costs` has this version's shape: positive times of at least two row counts and the draft pass."""
+    """Whether `costs` has this version's shape: positive times of at least two row counts and the draft pass, and
+    if it has them, the same after a long prompt longer than the short one."""
     if not isinstance(costs, dict) or costs.get("version") != COSTS_VERSION:
         return False
-    rows, keep = costs.get("rows"), costs.get("bookkeeping", {})
     number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and 0 <= x < 1e9  # noqa: E731
-    return (isinstance(rows, dict) and len(rows) >= 2 and "1" in rows
-            and all(str(r).isdigit() and number(ms) and ms > 0 for r, ms in rows.items())
-            and number(costs.get("draft")) and costs["draft"] > 0
-            and isinstance(keep, dict) and all(number(v) for v in keep.values()))
+
+    def forwards(c) -> bool:
+        rows = c.get("rows") if isinstance(c, dict) else None
+        return (isinstance(rows, dict) and len(rows) >= 2 and "1" in rows
+                and all(str(r).isdigit() and number(ms) and ms > 0 for r, ms in rows.items())
+                and number(c.get("draft")) and c["draft"] > 0)
+
+    keep, long = costs.get("bookkeeping", {}), costs.get("long")
+    return (forwards(costs) and isinstance(keep, dict) and all(number(v) for v in keep.values())
+            and (long is None or (forwards(long) and _count(long.get("cache_len")) and _count(costs.get("cache_len"))
+                                  and long["cache_len"] > costs["cache_len"])))
 
 
 class _Watching:
@@ -297,30 +328,27 @@ def costs_path(model) -> Path:
     return cycles_dir() / f"costs-{costs_key(model)}.json"
 
 
-def measure_costs(model, rounds: int = 12, cache_len: int = 100, decode_tokens: int = 32) -> dict:
+def measure_costs(model, rounds: int = 12, cache_len: int = 100, decode_tokens: int = 32,
+                  long_len: int = LONG_CONTEXT) -> dict:
     """This CPU's costs, in milliseconds: verify forwards of COST_ROWS rows and a draft pass at `cache_len` cached
     positions, each timed once per round in alternation (so a slow moment of the machine hits all of them), the
-    first quartile of `rounds` kept after one round to warm up; and the bookkeeping of a decode cycle outside its
-    forwards (accepting, committing, building the tree, moving the accepted path's cache rows), from
-    `decode_tokens`-token decodes of AR, the chain and the 32-node tree (the least of two)."""
+    first quartile of `rounds` kept after one round to warm up; the same after `long_len` cached positions (or the
+    most the model's positions leave room for; none where that is under twice `cache_len`), in `"long"`; and the
+    bookkeeping of a decode cycle outside its forwards (accepting, committing, building the tree, moving the
+    accepted path's cache rows), from `decode_tokens`-token decodes of AR, the chain and the 32-node tree (the
+    least of two)."""
     from . import kernels
-    from .loop import DecodeConfig, commit_cache, decode
+    from .loop import DecodeConfig, decode
 
     vocab = int(model.config.vocab_size)
     prompt = [(7 * i + 100) % vocab for i in range(cache_len)]  # what the tokens are does not change the cost
-    token = prompt[-1]
+    long_len = min(long_len, model.max_positions - max(COST_ROWS) - model.k - 2)
     with torch.no_grad():  # as decoding runs (inference mode's tensors make these forwards slower, not faster)
-        cache, _ = model.prefill(prompt)
-        n = cache.get_seq_length()
-        calls = {str(r): (lambda r=r: (model.verify(cache, [token] * r), commit_cache(cache, n))) for r in COST_ROWS}
-        calls["draft"] = lambda: model.draft(cache, token, model.k)
-        times = {name: [] for name in calls}
-        for round_ in range(rounds + 1):
-            for name, fn in calls.items():
-                start = time.perf_counter()
-                fn()
-                if round_:
-                    times[name].append(time.perf_counter() - start)
+        short = _forward_costs(model, prompt, rounds)
+        long = None
+        if long_len >= 2 * cache_len:
+            long = {"cache_len": long_len,
+                    **_forward_costs(model, [(7 * i + 100) % vocab for i in range(long_len)], rounds)}
         bookkeeping = {}
         for name, mode, tree in (("ar", "ar", 0), ("chain", "orthrus", 0), ("tree 32", "orthrus", 32)):
             per_cycle = []
@@ -330,12 +358,33 @@ def measure_costs(model, rounds: int = 12, cache_len: int = 100, decode_tokens: 
                                                                      eos_ids=(-1,)))
                 per_cycle.append(max(state.stats.seconds - watch.seconds, 0.0) / max(state.stats.steps, 1))
             bookkeeping[name] = round(1000 * min(per_cycle), 3)
+    costs = {"version": COSTS_VERSION, "key": costs_key(model), "cpu": kernels.cpu_model(),
+             "variant": kernels.isa() if model.attn == EXACT else "stock", "threads": torch.get_num_threads(),
+             "model": model.name, "dtype": model.dtype_name, "attn": model.attn, "rounds": rounds,
+             "cache_len": cache_len, "date": time.strftime("%Y-%m-%d"), **short, "bookkeeping": bookkeeping}
+    if long is not None:
+        costs["long"] = long
+    return costs
+
+
+def _forward_costs(model, prompt: list[int], rounds: int) -> dict:
+    """{"rows": {rows: ms}, "draft": ms} of forwards after `prompt` (see `measure_costs`)."""
+    from .loop import commit_cache
+
+    token = prompt[-1]
+    cache, _ = model.prefill(prompt)
+    n = cache.get_seq_length()
+    calls = {str(r): (lambda r=r: (model.verify(cache, [token] * r), commit_cache(cache, n))) for r in COST_ROWS}
+    calls["draft"] = lambda: model.draft(cache, token, model.k)
+    times = {name: [] for name in calls}
+    for round_ in range(rounds + 1):
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            if round_:
+                times[name].append(time.perf_counter() - start)
     ms = {name: round(1000 * _low_quartile(t), 3) for name, t in times.items()}
-    return {"version": COSTS_VERSION, "key": costs_key(model), "cpu": kernels.cpu_model(),
-            "variant": kernels.isa() if model.attn == EXACT else "stock", "threads": torch.get_num_threads(),
-            "model": model.name, "dtype": model.dtype_name, "attn": model.attn, "rounds": rounds,
-            "cache_len": cache_len, "date": time.strftime("%Y-%m-%d"),
-            "rows": {r: ms[r] for r in map(str, COST_ROWS)}, "draft": ms["draft"], "bookkeeping": bookkeeping}
+    return {"rows": {r: ms[r] for r in map(str, COST_ROWS)}, "draft": ms["draft"]}
 
 
 def _low_quartile(seconds: list[float]) -> float:
@@ -364,8 +413,9 @@ def cached_costs(model, remeasure: bool = False) -> dict:
     return costs
 
 
-def default_choice(model, remeasure: bool = False) -> Choice:
-    """What a greedy two-pass orthrus request with no tree or lookup of its own runs on this CPU."""
+def default_inputs(model, remeasure: bool = False) -> Choice | tuple[dict, dict]:
+    """What the default is chosen from: (the head's cycle profile, this CPU's costs), or the fixed default's
+    Choice where there is nothing to choose from."""
     if os.environ.get(CYCLE_ENV, "").strip() == "fixed":
         return fixed_choice(f"{label(DEFAULT_TREE, DEFAULT_LOOKUP)}: the fixed default ({CYCLE_ENV}=fixed)")
     if model.device.type != "cpu":
@@ -375,7 +425,14 @@ def default_choice(model, remeasure: bool = False) -> Choice:
     if profile is None:
         return fixed_choice(f"{label(DEFAULT_TREE, DEFAULT_LOOKUP)}: the fixed default (no cycle profile for this "
                             f"head; `lossless costs --profile` records one)")
-    return choose(profile, cached_costs(model, remeasure))
+    return profile, cached_costs(model, remeasure)
+
+
+def default_choice(model, remeasure: bool = False, context: int | None = None) -> Choice:
+    """What a greedy two-pass orthrus request with no tree or lookup of its own runs on this CPU, after `context`
+    positions (its prompt's length; None: a short one)."""
+    inputs = default_inputs(model, remeasure)
+    return inputs if isinstance(inputs, Choice) else choose(*inputs, context=context)
 
 
 def default_profile_prompts(per_domain: int = 2, heldout: int = 12) -> list[str]:

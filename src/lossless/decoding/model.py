@@ -64,7 +64,7 @@ class OrthrusLM(nn.Module):
                                              mask_token_id=mask_token_id, backbone=self.name)
         self.head_digest = headfile.UNTRAINED  # identity of the loaded head (see head.head_digest)
         self.head_dir: Path | None = None  # the directory the head was loaded from (its cycle profile: `cycles`)
-        self._choice = None  # (what it depends on, cycles.Choice) of `default_choice`
+        self._choice = None  # (what it depends on, `cycles.default_inputs`) of `default_choice`
         self.eval()
 
     # ----------------------------------------------------------------------------------------- identity
@@ -353,17 +353,19 @@ class OrthrusLM(nn.Module):
         assert cache.get_seq_length() == pos + v, "a fused forward writes exactly its verify rows"
         return self.backbone.lm_head(hidden[:v]), hidden[v:].reshape(g, rows, hidden.shape[-1])[:, 1:]
 
-    def default_choice(self, remeasure: bool = False):
-        """What a greedy orthrus request with no cycle of its own runs: the cycle (or AR) that this CPU's measured
-        forward costs and the head's cycle profile predict fastest (`cycles.default_choice`), kept per kernels
-        and thread count."""
+    def default_choice(self, remeasure: bool = False, context: int | None = None):
+        """What a greedy orthrus request with no cycle of its own runs after `context` positions (its prompt's
+        length; None: a short one): the cycle (or AR) that this CPU's measured forward costs and the head's cycle
+        profile predict fastest (`cycles.default_choice`), from costs and a profile kept per kernels and thread
+        count."""
         from . import cycles
 
         key = (cycles.costs_key(self), self.head_digest, os.environ.get(cycles.CYCLE_ENV), cycles.profile_stamp(self),
                str(self.device))
         if remeasure or self._choice is None or self._choice[0] != key:
-            self._choice = (key, cycles.default_choice(self, remeasure))
-        return self._choice[1]
+            self._choice = (key, cycles.default_inputs(self, remeasure))
+        inputs = self._choice[1]
+        return inputs if isinstance(inputs, cycles.Choice) else cycles.choose(*inputs, context=context)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head over draft rows: hidden [m, d] -> logits [m, V]."""
@@ -380,8 +382,9 @@ class OrthrusLM(nn.Module):
         `tree` > 0 (two-pass, greedy) verifies a tree of that many draft candidates instead of one chain;
         `lookup` > 0 (greedy) adds prompt lookup: up to that many tokens copied from earlier context. Left at
         None (with `k`) a greedy two-pass request with a trained head runs what this CPU's measured costs predict
-        fastest (`default_choice`: a tree and lookup, or AR where no cycle pays; `config["choice"]` says which
-        and why); otherwise None takes the fixed defaults (`loop.auto_cycle`). 0 turns either off.
+        fastest after its prompt (`default_choice`: a tree and lookup, or AR where no cycle pays, as after a
+        long prompt; `config["choice"]` says which and why); otherwise None takes the fixed defaults
+        (`loop.auto_cycle`). 0 turns either off.
 
         on_text(str) receives text as tokens are committed; on_tokens(list[int]) the committed ids; stop(), asked
         after every cycle, ends decoding early when it returns True (finish reason "stop"). `keep_cache` returns
@@ -397,7 +400,7 @@ class OrthrusLM(nn.Module):
         choice = None
         if (mode == "orthrus" and cycle == "two-pass" and sampling.greedy and tree is None and lookup is None
                 and k is None and self.head_digest != headfile.UNTRAINED):
-            choice = self.default_choice()  # from this CPU's measured costs (`cycles`)
+            choice = self.default_choice(context=len(prompt_ids))  # from this CPU's measured costs (`cycles`)
             mode, tree, lookup = choice.mode, choice.tree, choice.lookup
         tree, lookup = auto_cycle(mode, cycle, sampling.greedy, self.head_digest != headfile.UNTRAINED, tree, lookup)
         cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=k, cycle=cycle, groups=groups, tree=tree, lookup=lookup,
