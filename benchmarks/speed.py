@@ -277,9 +277,15 @@ def main(argv=None) -> int:
         if a == EXACT and m.exact_ops:
             print(f"{a} kernels: {'; '.join(m.exact_ops)}")
     for name, (kernel, kind, _) in variants.items():
-        if kind == "default" and models[kernel].head_digest != UNTRAINED:
-            summary[name]["choice"] = models[kernel].default_choice().to_dict()
-            print(f"{name}: {summary[name]['choice']['why']}")
+        if kind == "default" and models[kernel].head_digest != UNTRAINED:  # chosen for each prompt's length
+            chosen = {}
+            for ids in encoded:
+                choice = models[kernel].default_choice(context=len(ids))
+                chosen.setdefault(choice.why, choice)
+            summary[name]["choice"] = next(iter(chosen.values())).to_dict()
+            summary[name]["choices"] = [c.to_dict() for c in chosen.values()]
+            for why in chosen:
+                print(f"{name}: {why}")
     if "peer" in models:
         from importlib.metadata import version
 

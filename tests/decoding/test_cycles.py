@@ -73,6 +73,8 @@ def test_costs_after_a_long_context_are_linear_in_it_between_and_past_the_two_me
     assert half["draft"] == pytest.approx((1.02 + 3.0) / 2) and half["context"] == 2100
     past = cycles.at_context(LONG, 8100)  # on along the same line
     assert past["rows"]["1"] == pytest.approx(3.0) and past["rows"]["32"] == pytest.approx(1.10 + 2 * (10.0 - 1.10))
+    cheap = {**LONG, "long": {**LONG["long"], "draft": 0.5}}  # measured cheaper after the long prompt (noise)
+    assert cycles.at_context(cheap, 60000)["draft"] == LONG["draft"]  # never below the short context's
     at_long = cycles.at_context(LONG, 4100)
     assert all(at_long["rows"][r] == pytest.approx(LONG["long"]["rows"][r]) for r in LONG["rows"])
     assert set(at_long["rows"]) == set(LONG["rows"])  # the short table's row counts, the long one's interpolated
@@ -230,6 +232,7 @@ def test_a_watch_inside_a_watch_counts_in_both_and_leaves_the_model_as_it_was(tr
     (None, '["not", "costs"]'),
     (None, '{"version": 3, "rows": {"1": 10.0, "9": -1}, "draft": 12.0}'),
     (None, '{"version": 2, "rows": {"1": 10.0, "9": 12.0}, "draft": 12.0}'),  # the version before long contexts
+    (None, '{"version": 3, "cache_len": null, "rows": {"1": 10.0, "9": 12.0}, "draft": 12.0}'),
     (None, '{"version": 3, "cache_len": 100, "rows": {"1": 10.0, "9": 12.0}, "draft": 12.0, '
            '"long": {"cache_len": 50, "rows": {"1": 20.0, "9": 40.0}, "draft": 30.0}}'),  # a "long" one shorter
 ])

@@ -108,11 +108,10 @@ def at_context(costs: dict, context: int | None) -> dict:
     after a long prompt were measured too (`costs["long"]`), each forward's cost linear in the context through
     the two (past the long one along the same line; never below the short one's)."""
     long = costs.get("long")
-    short_len = int(costs.get("cache_len", 0))
-    if context is None or not long or context <= short_len:
+    if context is None or not long or context <= int(costs["cache_len"]):
         return costs
-    share = (context - short_len) / (int(long["cache_len"]) - short_len)
-    line = lambda a, b: a + (b - a) * share  # noqa: E731
+    share = (context - int(costs["cache_len"])) / (int(long["cache_len"]) - int(costs["cache_len"]))
+    line = lambda a, b: max(a, a + (b - a) * share)  # noqa: E731
     rows = {r: round(line(float(ms), cost_at(long, int(r))), 3) for r, ms in costs["rows"].items()}
     return {**costs, "rows": rows, "draft": round(line(float(costs["draft"]), float(long["draft"])), 3),
             "context": int(context)}
@@ -234,6 +233,7 @@ def valid_costs(costs) -> bool:
 
     keep, long = costs.get("bookkeeping", {}), costs.get("long")
     return (forwards(costs) and isinstance(keep, dict) and all(number(v) for v in keep.values())
+            and ("cache_len" not in costs or _count(costs["cache_len"]))
             and (long is None or (forwards(long) and _count(long.get("cache_len")) and _count(costs.get("cache_len"))
                                   and long["cache_len"] > costs["cache_len"])))
 
@@ -332,11 +332,11 @@ def measure_costs(model, rounds: int = 12, cache_len: int = 100, decode_tokens: 
                   long_len: int = LONG_CONTEXT) -> dict:
     """This CPU's costs, in milliseconds: verify forwards of COST_ROWS rows and a draft pass at `cache_len` cached
     positions, each timed once per round in alternation (so a slow moment of the machine hits all of them), the
-    first quartile of `rounds` kept after one round to warm up; the same after `long_len` cached positions (or the
-    most the model's positions leave room for; none where that is under twice `cache_len`), in `"long"`; and the
-    bookkeeping of a decode cycle outside its forwards (accepting, committing, building the tree, moving the
-    accepted path's cache rows), from `decode_tokens`-token decodes of AR, the chain and the 32-node tree (the
-    least of two)."""
+    first quartile of `rounds` kept after one round to warm up; the same (half the rounds) after `long_len` cached
+    positions (or the most the model's positions leave room for; none where that is under twice `cache_len`), in
+    `"long"`; and the bookkeeping of a decode cycle outside its forwards (accepting, committing, building the tree,
+    moving the accepted path's cache rows), from `decode_tokens`-token decodes of AR, the chain and the 32-node
+    tree (the least of two)."""
     from . import kernels
     from .loop import DecodeConfig, decode
 
@@ -346,9 +346,9 @@ def measure_costs(model, rounds: int = 12, cache_len: int = 100, decode_tokens: 
     with torch.no_grad():  # as decoding runs (inference mode's tensors make these forwards slower, not faster)
         short = _forward_costs(model, prompt, rounds)
         long = None
-        if long_len >= 2 * cache_len:
-            long = {"cache_len": long_len,
-                    **_forward_costs(model, [(7 * i + 100) % vocab for i in range(long_len)], rounds)}
+        if long_len >= 2 * cache_len:  # half the rounds: each forward there is dearer, and the times steadier
+            long = {"cache_len": long_len, **_forward_costs(model, [(7 * i + 100) % vocab for i in range(long_len)],
+                                                             max(1, rounds // 2))}
         bookkeeping = {}
         for name, mode, tree in (("ar", "ar", 0), ("chain", "orthrus", 0), ("tree 32", "orthrus", 32)):
             per_cycle = []
@@ -394,7 +394,8 @@ def _low_quartile(seconds: list[float]) -> float:
 
 
 def cached_costs(model, remeasure: bool = False) -> dict:
-    """This CPU's costs for the model: from the cache, else measured (a few seconds) and cached."""
+    """This CPU's costs for the model: from the cache, else measured (about 10 s on the embedded model, a minute
+    or more at 1B and up: most of it the long prompt) and cached."""
     path = costs_path(model)
     if not remeasure and path.exists():
         try:
@@ -403,7 +404,8 @@ def cached_costs(model, remeasure: bool = False) -> dict:
                 return costs
         except (OSError, ValueError):
             pass
-    log.info("measuring this CPU's forward costs for the default cycle (once; cached in %s)", path.parent)
+    log.info("measuring this CPU's forward costs for the default cycle, after a short prompt and a long one (once; "
+             "seconds to minutes by the model's size; cached in %s)", path.parent)
     costs = measure_costs(model)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

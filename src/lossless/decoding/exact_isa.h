@@ -1602,7 +1602,7 @@ struct Attention {
       float* most = w.most.data() + a * rows_per * per * segs;
       const int64_t j0 = part * SEGMENT, j1 = std::min(width, j0 + SEGMENT);
       if (pass == 0) {
-        s.qf.resize(static_cast<size_t>(std::max<int64_t>(16, queries) * d));
+        s.qf.resize(std::max(s.qf.size(), static_cast<size_t>(queries * d)));  // never shrunk: other calls' rows
         for (int64_t r = 0; r < count; ++r)
           for (int64_t e = 0; e < g_count * d; ++e) s.qf[r * g_count * d + e] = to_float(qp[((row0 + r) * h + h0) * d + e]);
         const uint32_t* kck = kc == nullptr ? nullptr : kc + kv * kcs;
