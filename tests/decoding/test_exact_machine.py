@@ -223,7 +223,7 @@ def assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, 
 @settings(max_examples=4, **SLOW)
 @given(data=st.data())
 def test_a_long_context_split_over_the_threads_gives_the_layer_calls_bits(dtype, data):
-    """From 1,024 keys a row, a step or a chain of up to 16 rows spreads each kv head's attention over the threads
+    """From 1,024 keys a row, a step or a chain of up to 17 rows spreads each kv head's attention over the threads
     (scores and exp by segments of keys, the weighted values by parts of the queries or chunks of the head dim),
     and so do the rows of a tree: the stack still gives the bits of the layer calls, for every variant and thread
     count, and so do longer chains, which take items."""
@@ -246,7 +246,7 @@ def test_a_long_context_split_over_the_threads_gives_the_layer_calls_bits(dtype,
 @settings(max_examples=6, **SLOW)
 @given(data=st.data())
 def test_long_context_attention_split_over_the_threads_is_correct_and_invariant(dtype, data):
-    """The split attention (up to 16 rows that see the cache's first keys, 1,024 or more of them) matches a
+    """The split attention (up to 17 rows that see the cache's first keys, 1,024 or more of them) matches a
     float64 reference and gives one set of bits for every variant and thread count, head dims not a multiple of
     16, more than four heads a kv head, rows of a tree (each sees some of the rows before it) and more rows than a
     split takes included."""

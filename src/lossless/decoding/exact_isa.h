@@ -1483,7 +1483,7 @@ struct Attention {
   static constexpr int MOST_QUERIES = 9;  // rows x heads one item takes at most
   static constexpr int64_t SPLIT_KEYS = 1024;  // split from this many keys a row (below, the passes cost more)
   static constexpr int64_t SEGMENT = 512;  // keys a score unit takes (a multiple of 16)
-  static constexpr int64_t SPLIT_ROWS = 16;  // the most rows a split takes (more: items, which share out evenly)
+  static constexpr int64_t SPLIT_ROWS = 17;  // the most rows a split takes (more: items, which share out evenly)
   static constexpr int64_t OWN_KEYS = 64;  // the most keys past its lead a row of a split sees
 
   Attention with_items(int64_t m, int threads) const {
@@ -1515,7 +1515,7 @@ struct Attention {
   }
 
   // Where every row sees the cache's first 1,024 keys or more, 0, 1, .. (a decode step, or a chain or tree of up
-  // to 16 rows over a long context, each row seeing a few keys of its own past those), items would leave threads
+  // to 17 rows over a long context, each row seeing a few keys of its own past those), items would leave threads
   // idle or read each kv head's keys and values once per block of rows. Each item (all the rows, one kv head, up
   // to four of its heads) is spread over the threads instead, in three passes: scores and their maxima by
   // segments of keys; exp by the same segments; weighted values by parts of the item's queries and chunks of the
