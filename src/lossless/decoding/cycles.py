@@ -430,13 +430,6 @@ def default_inputs(model, remeasure: bool = False) -> Choice | tuple[dict, dict]
     return profile, cached_costs(model, remeasure)
 
 
-def default_choice(model, remeasure: bool = False, context: int | None = None) -> Choice:
-    """What a greedy two-pass orthrus request with no tree or lookup of its own runs on this CPU, after `context`
-    positions (its prompt's length; None: a short one)."""
-    inputs = default_inputs(model, remeasure)
-    return inputs if isinstance(inputs, Choice) else choose(*inputs, context=context)
-
-
 def default_profile_prompts(per_domain: int = 2, heldout: int = 12) -> list[str]:
     """The prompts a profile is recorded on by default: `per_domain` prompts of each domain of the default suite
     (code, maths, translation, chat, ...: what is copied and what is drafted differs by domain) and the first

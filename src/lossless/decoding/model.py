@@ -356,8 +356,8 @@ class OrthrusLM(nn.Module):
     def default_choice(self, remeasure: bool = False, context: int | None = None):
         """What a greedy orthrus request with no cycle of its own runs after `context` positions (its prompt's
         length; None: a short one): the cycle (or AR) that this CPU's measured forward costs and the head's cycle
-        profile predict fastest (`cycles.default_choice`), from costs and a profile kept per kernels and thread
-        count."""
+        profile predict fastest (`cycles.choose`), from costs and a profile (`cycles.default_inputs`) kept per
+        kernels and thread count."""
         from . import cycles
 
         key = (cycles.costs_key(self), self.head_digest, os.environ.get(cycles.CYCLE_ENV), cycles.profile_stamp(self),
