@@ -13,8 +13,8 @@ steps (VDPBF16PS on 2 Intel vCPUs), even the 8-node tree is AR's speed. So the d
   (`measure_costs`: forwards of 1 to 40 rows and the draft pass, alternating, the first quartile over rounds,
   after a short prompt and after a long one; a cycle's bookkeeping outside its forwards) and cached under
   `cache_dir()/cycles`; `lossless costs --remeasure` measures again. A long context makes every forward dearer and
-  the many-row ones most (each row reads the whole cache): at 6,000 tokens on machine D a 9-row verify costs 1.8
-  steps, against 1.15 after 100, and no cycle pays there;
+  the many-row ones most (each row reads the whole cache): on machine D a 9-row verify cost 1.15 steps after 100
+  tokens and 1.8 after 6,000, where the best cycle predicted 0.98x AR in that measurement;
 - the **choice** (`choose`), for a request's context (its prompt's length): each candidate's predicted speed-up
   over AR is its tokens times a step's cost over the sum of its forwards' costs (row counts between the measured
   ones interpolated, contexts between and past the two measured ones linearly); the best one runs if it
@@ -341,14 +341,14 @@ def measure_costs(model, rounds: int = 12, cache_len: int = 100, decode_tokens: 
     from .loop import DecodeConfig, decode
 
     vocab = int(model.config.vocab_size)
-    prompt = [(7 * i + 100) % vocab for i in range(cache_len)]  # what the tokens are does not change the cost
     long_len = min(long_len, model.max_positions - max(COST_ROWS) - model.k - 2)
+    tokens = [(7 * i + 100) % vocab for i in range(max(cache_len, long_len))]  # what they are does not change the cost
+    prompt = tokens[:cache_len]
     with torch.no_grad():  # as decoding runs (inference mode's tensors make these forwards slower, not faster)
         short = _forward_costs(model, prompt, rounds)
         long = None
         if long_len >= 2 * cache_len:  # half the rounds: each forward there is dearer, and the times steadier
-            long = {"cache_len": long_len, **_forward_costs(model, [(7 * i + 100) % vocab for i in range(long_len)],
-                                                             max(1, rounds // 2))}
+            long = {"cache_len": long_len, **_forward_costs(model, tokens[:long_len], max(1, rounds // 2))}
         bookkeeping = {}
         for name, mode, tree in (("ar", "ar", 0), ("chain", "orthrus", 0), ("tree 32", "orthrus", 32)):
             per_cycle = []
