@@ -80,6 +80,10 @@ def labelled_exact_kernels():
             with record_function("exact::stack"):
                 return self.stack.forward(*args)
 
+        def forward_views(self, draft, *args):  # a fused forward: the draft view's stack beside this one
+            with record_function("exact::stack"):
+                return self.stack.forward_views(draft.stack, *args)
+
     make_stack = FusedStackMixin._lossless_stack
     for name, fn in saved.items():
         setattr(kernels, name, wrap(name, fn))
@@ -173,8 +177,7 @@ def forwards(model, cache, n: int, fused: list[tuple[int, int]]) -> dict[str, tu
     calls[f"draft pass k={model.k}, modules"] = (draft_by_module, model.k)
     for k, g in fused:
         calls[f"fused k={k} groups={g}"] = (
-            lambda k=k, g=g: (model.draft_logits(model.verify_and_draft(cache, [token] * k, list(range(g)), k - 1)[1][0]),
-                              reset()), k + g * k)
+            lambda k=k, g=g: (model.verify_and_draft(cache, [token] * k, list(range(g)), k - 1), reset()), k + g * k)
     return calls
 
 

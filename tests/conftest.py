@@ -135,6 +135,10 @@ class StackCalls(list):
                 calls.append(x.shape[0])
                 return self.inner.forward(x, *args)
 
+            def forward_views(self, draft, verify, x, *args):  # a fused forward: (verify rows, draft rows)
+                calls.append((verify, x.shape[0] - verify))
+                return self.inner.forward_views(draft.inner, verify, x, *args)
+
         self.model.backbone.model.__dict__.pop("_lossless_stacks", None)
         self.patch = mock.patch.object(kernels, "stack", Counting)
         self.patch.start()

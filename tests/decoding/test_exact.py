@@ -346,6 +346,8 @@ def test_exact_mode_keeps_frozen_weights_as_panels_only(family):
     every = torch.arange(backbone.config.vocab_size)
     assert torch.equal(embed(every[None])[0], weights["lm_head"])  # each row gathered from the panels
     assert (model.device, model.dtype) == (device, dtype)
+    held = model._held_parameter()  # what answers them: a frozen parameter with values (a norm's), kept
+    assert not held.is_meta and not held.requires_grad and model._held_parameter() is held
     assert all(linears[n].weight.device.type == "meta" for n in released)
     assert not any(linears[n].weight.is_meta for n in set(linears) - released)
     for name in released:

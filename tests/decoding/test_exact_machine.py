@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from conftest import NO_EOS, StackCalls, perturb_head, tiny_backbone
 from lossless.decoding import kernels
-from lossless.decoding.loop import DecodeConfig, decode
+from lossless.decoding.loop import DecodeConfig, commit_cache, decode
 from lossless.decoding.model import OrthrusLM
 from lossless.errors import LosslessError
 
@@ -122,6 +122,38 @@ def test_the_layer_stack_gives_the_bits_of_the_layer_calls(dtype, data):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@settings(max_examples=6, **SLOW)
+@given(data=st.data())
+def test_a_fused_forward_gives_each_views_rows_the_bits_of_its_layer_calls(dtype, data):
+    """A fused forward in one Stack call (verify rows through the AR view's layers, then draft rows through the
+    draft view's attention projections and q/k norms and the shared norms and MLP, the panels of both views in
+    one step) gives each row the bits of its own view's layer calls, and every row's keys and values at its
+    position, for every variant and thread count: over short caches and long ones (the split attention)."""
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    make = lambda s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    m = data.draw(st.integers(2, 16), label="rows")
+    verify = data.draw(st.integers(1, m - 1), label="verify rows")
+    n = data.draw(st.sampled_from([0, 7, 40, 1030]), label="cache")
+    qk_norm, bias = data.draw(st.booleans(), label="qk norms"), data.draw(st.booleans(), label="bias")
+    layers = random_layers(dtype, make, 2, qk_norm, bias)
+    draft = draft_view_of(layers, make, qk_norm, bias)
+    x, cos, sin = make((m, 37)), make((m, 10)), make((m, 10))
+    visible = torch.zeros(m, n + m, dtype=torch.bool)
+    visible[:verify, :n + verify] = True
+    visible[:verify, n:n + verify] = torch.ones(verify, verify, dtype=torch.bool).tril()  # the verify chain
+    if data.draw(st.booleans(), label="groups"):  # draft rows as groups see: the keys before an anchor, some rows
+        for r in range(verify, m):
+            visible[r, :n + data.draw(st.integers(0, verify), label="anchor")] = True
+        visible[verify:, n + verify:] = torch.rand(m - verify, m - verify, generator=g) < 0.6
+    else:  # any keys
+        visible[verify:] = torch.rand(m - verify, n + m, generator=g) < 0.8
+    cap = n + m + 2
+    caches = [(make((1, 2, cap, 10)), make((1, 2, cap, 10))) for _ in layers]
+    assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, n, m, cap, n, draft=draft,
+                                verify=verify)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m,stall", [(1, 2000), (9, 2000), (1, 20), (9, 20)])
 def test_a_thread_held_up_has_its_panels_taken_and_the_bits_stay(dtype, m, stall):
     """The stack's last thread waits before every linear step: the others take panels from the back of its share
@@ -158,18 +190,41 @@ def test_stack_add_refuses_packed_weights_that_do_not_match_the_layer():
     kernels.stack().add(*args)  # the layer as made
 
 
-def assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, n, m, cap, valid, stall=0):
+def draft_view_of(layers, make, qk_norm: bool, bias: bool):
+    """Stack.add's arguments for a draft view of `layers`: q/k/v/o, their biases and the q/k norms its own, the
+    norms and the MLP the very tensors of the AR layer's."""
+    out = []
+    for args in layers:
+        own = random_layers(args[0].dtype, make, 1, qk_norm, bias)[0]
+        packed_out, bias_out = [own[10][0], *args[10][1:]], [own[11][0], *args[11][1:]]
+        out.append((args[0], args[1], own[2], own[3], args[4], own[5], own[6], own[7], args[8], args[9],
+                    packed_out, bias_out, args[12], args[13], args[14]))
+    return out
+
+
+def assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, n, m, cap, valid, stall=0,
+                                draft=None, verify=None):
     """A Stack forward over `layers` gives the bits of the layer calls, for every variant and thread count, each
     panel of its linear steps run once (with `stall`, its last thread held up that many microseconds before each
-    linear step; from a millisecond, some of its panels taken by the others)."""
+    linear step; from a millisecond, some of its panels taken by the others). With `draft` (a draft view's
+    layers), a fused forward: the first `verify` rows through `layers`, the rest through `draft`'s, each view's
+    layer calls on its own rows the reference."""
     panels = sum(p.shape[0] for args in layers for p in (*args[2], *args[10]))
+    if draft is not None:
+        panels += sum(p.shape[0] for args in draft for p in (*args[2], args[10][0]))
+    verify = m if draft is None else verify
+
     def by_layers():
         h, rows = x, []
-        for args, cache in zip(layers, caches):
+        parts = [(slice(0, verify), 0)] + ([(slice(verify, m), 1)] if draft is not None else [])
+        for l, cache in enumerate(caches):
             keys, values = (c.clone() for c in cache)
-            q, k, v = kernels.layer_in(h, cos, sin, *args[:9])
-            keys[:, :, n:n + m], values[:, :, n:n + m] = k, v
-            h = kernels.layer_out(h, q, keys[0, :, :n + m], values[0, :, :n + m], visible, args[9], *args[10:])
+            views = [layers[l], draft[l] if draft is not None else None]
+            ins = [kernels.layer_in(h[r], cos[r], sin[r], *views[i][:9]) for r, i in parts]
+            for (r, _), (_, k, v) in zip(parts, ins):
+                keys[:, :, n + r.start:n + r.stop], values[:, :, n + r.start:n + r.stop] = k, v
+            h = torch.cat([kernels.layer_out(h[r], q, keys[0, :, :n + m], values[0, :, :n + m], visible[r],
+                                             views[i][9], *views[i][10:]) for (r, i), (q, _, _) in zip(parts, ins)])
             rows += [keys[:, :, n:n + m], values[:, :, n:n + m]]
         return [h, *rows]
 
@@ -188,8 +243,14 @@ def assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, 
             lanes = t.transpose(2, 3).contiguous().view(t.shape[0], -1, t.shape[2])  # [kv, position, step]
             lanes[:, :valid] = words
             t.copy_(lanes.view(t.shape[0], t.shape[1], 16, t.shape[2]).transpose(2, 3))
-        h = stack.forward(x, cos, sin, visible, [b[0] for b in buffers], [b[1] for b in buffers], tiles,
-                          [valid] * len(layers), n)
+        args = (x, cos, sin, visible, [b[0] for b in buffers], [b[1] for b in buffers], tiles, [valid] * len(layers), n)
+        if draft is None:
+            h = stack.forward(*args)
+        else:
+            views = kernels.stack()
+            for layer in draft:
+                views.add(*layer)
+            h = stack.forward_views(views, verify, *args)
         for (k, v), (k0, v0) in zip(buffers, caches):  # nothing but positions n..n+m-1 written
             assert torch.equal(bits(k[:, :, :n]), bits(k0[:, :, :n])) and torch.equal(bits(k[:, :, n + m:]), bits(k0[:, :, n + m:]))
             assert torch.equal(bits(v[:, :, :n]), bits(v0[:, :, :n]))
@@ -574,12 +635,15 @@ def test_fused_decoder_layers_give_the_bits_of_the_module_path(family, dtype, da
     """Exact mode runs a forward's decoder layers as one kernel call (each Llama/Qwen3 layer as two kernels,
     rotary, residual adds and gate * up inside them), or layer by layer as two calls each (a cache that does
     not grow in place); module by module, Hugging Face's layer code calling each kernel, gives the same logits
-    and the same cache bit for bit in all three: a prefill, a verify block and a tree."""
+    and the same cache bit for bit in all three: a prefill, a verify block and a tree. A fused forward (a verify
+    block and draft groups through a draft view of its own weights) runs as one call too, with the module
+    path's verify logits, draft logits and cache."""
     from transformers import DynamicCache
 
     from lossless.decoding.exact import layer_modules
 
     model = OrthrusLM(drawn_backbone(data, family).to(dtype), k=4)
+    perturb_head(model, 0.3)  # a draft view of weights its own
     model.set_attn("exact")
     assert f"decoder layer x{model.config.num_hidden_layers} (one call per forward)" in model.exact_ops
     vocab = model.config.vocab_size
@@ -587,10 +651,14 @@ def test_fused_decoder_layers_give_the_bits_of_the_module_path(family, dtype, da
     split = data.draw(st.integers(1, len(ids) - 1), label="prefill")
     tree = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=8), label="tree ids")
     parents = [-1] + [data.draw(st.integers(0, i - 1), label="parent") for i in range(1, len(tree))]
+    block = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=5), label="fused block")
+    anchors = sorted(data.draw(st.sets(st.integers(0, len(block) - 1), min_size=1), label="anchors"))
 
     def run():
         cache, first = model.prefill(ids[:split])
         out = [first, model.verify(cache, ids[split:]), model.verify_tree(cache, tree, parents)]
+        commit_cache(cache, len(ids) + 1)  # the tree's rows go: the cache holds the ids
+        out += model.verify_and_draft(cache, block, anchors, 3)
         return out + [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
     with StackCalls(model) as stacked:
@@ -600,8 +668,8 @@ def test_fused_decoder_layers_give_the_bits_of_the_module_path(family, dtype, da
             fused = run()
         with layer_modules():
             modules = run()
-    assert stacked == [split, len(ids) - split, len(tree)]  # every forward as one call
-    assert layer_in.call_count == 3 * model.config.num_hidden_layers  # layer by layer: every layer of every forward
+    assert stacked == [split, len(ids) - split, len(tree), (len(block), 4 * len(anchors))]  # every forward, one call
+    assert layer_in.call_count == 3 * model.config.num_hidden_layers  # layer by layer: every AR forward's layers
     for i, (a, b, c) in enumerate(zip(whole, fused, modules)):
         assert torch.equal(bits(a), bits(c)) and torch.equal(bits(b), bits(c)), i
 

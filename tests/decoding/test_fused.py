@@ -194,7 +194,7 @@ def groups_and_two_pass(model, block: list[int]) -> list[tuple[torch.Tensor, tor
         embeds = model.block_embeddings(torch.tensor([block[n]]), 5)
         with torch.no_grad():
             two_pass = model.draft_hidden(embeds, torch.arange(pos + n, pos + n + 5)[None], c)  # [5, V]
-        pairs.append((model.draft_logits(groups[n]), two_pass[1:]))
+        pairs.append((groups[n], two_pass[1:]))
     return pairs
 
 

@@ -312,12 +312,18 @@ class FusedLayerMixin:
         no training layout: every row sees the whole cache and the block) over a cache that grows in place,
         with the draft view's projections and no draft adapter (its output joins the MLP's inside the kernel's
         reach only as its own module)."""
-        attn = self.self_attn
-        return (draft.verify_rows == 0 and draft.context is None and draft.chunks is None
-                and draft.context_mask is None and cache is not None
-                and isinstance(cache.layers[attn.layer_idx], GrowingLayer)
-                and cache.get_seq_length(attn.layer_idx) > 0 and getattr(self.mlp, "mlp_diff", None) is None
-                and all(isinstance(getattr(attn, f"{p}_proj_diff", None), PackedLinearMixin) for p in "qkvo"))
+        return draft.verify_rows == 0 and draft.context_mask is None and self._lossless_view_fusable(draft, cache)
+
+    def _lossless_view_fusable(self, draft, cache) -> bool:
+        """Whether this layer's draft view can run on the kernels' layer code: decoding (no training layout or
+        context of its own) over a cache that grows in place, with packed projections and no draft adapter. A
+        fused forward (verify rows and draft groups) then runs on the layer stack."""
+        attn = self._modules["self_attn"]  # (submodules by dict: every layer of every draft forward asks)
+        own = attn._modules
+        return (draft.context is None and draft.chunks is None and cache is not None
+                and isinstance(cache.layers[attn.layer_idx], GrowingLayer) and cache.get_seq_length(attn.layer_idx) > 0
+                and self._modules["mlp"]._modules.get("mlp_diff") is None
+                and all(isinstance(own.get(f"{p}_proj_diff"), PackedLinearMixin) for p in "qkvo"))
 
     def _lossless_make_plan(self, draft: bool = False) -> tuple:
         """(the weights it was made from with their versions, the draft adapter's row marker, layer index,
@@ -362,15 +368,19 @@ class FusedStackMixin:
     def _lossless_stack_forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, kwargs):
         """The forward as one stack call, or None where it does not apply."""
         draft = kwargs.get("orthrus_draft")
+        views = draft is not None and draft.verify_rows > 0  # a fused forward: verify rows, then draft groups
         if (cache is None or position_ids is None or kwargs.keys() - {"orthrus_draft"} or torch.is_grad_enabled()
                 or _MODULES.get() or _STOCK.get() or (input_ids is None) == (inputs_embeds is None)
-                or (draft is not None and attention_mask is not None)
-                or (attention_mask is not None and attention_mask.dim() != 4)):
+                or (draft is not None and not views and attention_mask is not None)
+                or (attention_mask is not None and attention_mask.dim() != 4)
+                or (views and draft.context_mask is not None and draft.context_mask.dim() != 4)):
             return None
         layers = self.layers
         if len(cache.layers) != len(layers) or not all(isinstance(layer, GrowingLayer) for layer in cache.layers):
             return None
-        if draft is not None and not all(layer._lossless_drafts_fused(draft, cache) for layer in layers):
+        fits = (lambda layer: layer._lossless_view_fusable(draft, cache)) if views else \
+            (lambda layer: layer._lossless_drafts_fused(draft, cache))
+        if draft is not None and not all(fits(layer) for layer in layers):
             return None
         embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if embeds.shape[0] != 1 or position_ids.shape != (1, embeds.shape[1]):
@@ -381,23 +391,31 @@ class FusedStackMixin:
         if any(b is None for b in buffers):
             return None
         n = cache.layers[0].keys.shape[2]
-        if any(layer.keys.shape[2] != n for layer in cache.layers):
+        v = draft.verify_rows if views else 0 if draft is not None else q  # the rows the cache keeps
+        if any(layer.keys.shape[2] != n for layer in cache.layers) or v > q:
             return None
-        stack = self._lossless_stack(draft is not None)
         cos, sin = self.rotary_emb(embeds, position_ids=position_ids)
-        if draft is not None:  # the draft view: the cache and its own rows, all visible, the cache left as it was
+        if views:  # verify rows as a verify pass sees, then the groups under their mask (all: no mask)
+            visible = torch.zeros(q, n + q, dtype=torch.bool, device=embeds.device)
+            visible[:v, : n + v] = _visibility(attention_mask, v, n + v, embeds.device)
+            visible[v:] = _visibility(draft.context_mask, q - v, n + q, embeds.device, causal=False)
+        elif draft is not None:  # the draft view: the cache and its own rows, all visible, the cache left as it was
             visible = torch.ones(q, n + q, dtype=torch.bool, device=embeds.device)
         else:
             visible = _visibility(attention_mask, q, n + q, embeds.device)
         steps = (attn.head_dim + 1) // 2 if embeds.element_size() == 2 else attn.head_dim
         tiles = [layer.key_tiles(steps) for layer in cache.layers]
-        hidden = stack.forward(embeds[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(), visible,
-                               [b[0] for b in buffers], [b[1] for b in buffers], [t[0] for t in tiles],
-                               [t[1] for t in tiles], n)
-        for layer in cache.layers:  # the tiles hold the cache's positions now (and a draft's rows past its end)
-            if draft is None:
-                layer.extend(q)
-            layer.tiles_written(n + q if draft is None else n)
+        args = (embeds[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(), visible, [b[0] for b in buffers],
+                [b[1] for b in buffers], [t[0] for t in tiles], [t[1] for t in tiles], n)
+        if views and v < q:
+            ar, drafts = self._lossless_stack(False), self._lossless_stack(True)
+            self._lossless_mark_rows(v)
+            hidden = ar.forward_views(drafts, v, *args)
+        else:  # (a fused forward without draft rows is a verify pass)
+            hidden = self._lossless_stack(draft is not None and not views).forward(*args)
+        for layer in cache.layers:  # the tiles hold the cache's positions now (and draft rows past its end)
+            layer.extend(v)
+            layer.tiles_written(n + v)
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden[None]), cache=cache)
@@ -405,9 +423,7 @@ class FusedStackMixin:
     def _lossless_stack(self, draft: bool):
         """The kernel stack of every layer's AR (or draft-view) plan, made again when any layer's plan is."""
         plans = [layer._lossless_current_plan(draft) for layer in self.layers]
-        for layer, (_, rows, *_) in zip(self.layers, plans):
-            if rows is not None:
-                rows.start = 0 if draft else None  # as the layer-by-layer path marks them
+        self._lossless_mark_rows(0 if draft else None)
         key = (draft, kernels.isa())
         held = self.__dict__.setdefault("_lossless_stacks", {}).get(key)
         if held is None or len(held[0]) != len(plans) or any(a is not b for a, b in zip(held[0], plans)):
@@ -416,6 +432,13 @@ class FusedStackMixin:
                 stack.add(*args_in, scaling, *args_out)
             held = self._lossless_stacks[key] = (plans, stack)
         return held[1]
+
+    def _lossless_mark_rows(self, start: int | None) -> None:
+        """Where the forward's draft rows start, on every layer's marker, as the layer-by-layer path marks them."""
+        for layer in self.layers:
+            rows = getattr(layer.self_attn, "_orthrus_rows", None)
+            if rows is not None:
+                rows.start = start
 
 
 def _fusable(layer: torch.nn.Module) -> bool:

@@ -60,4 +60,15 @@ struct Stack {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& visible,
                      const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                      const std::vector<at::Tensor>& tiles, const std::vector<int64_t>& valid, int64_t n) const;
+  // a fused forward: the first `verify` rows through these layers (the AR view), the rest through `draft`'s
+  // attention projections and q/k norms (the draft view) and these layers' norms and MLP; `forward`'s other arguments
+  at::Tensor forward_views(const Stack& draft, int64_t verify, const at::Tensor& x, const at::Tensor& cos,
+                           const at::Tensor& sin, const at::Tensor& visible, const std::vector<at::Tensor>& keys,
+                           const std::vector<at::Tensor>& values, const std::vector<at::Tensor>& tiles,
+                           const std::vector<int64_t>& valid, int64_t n) const;
+
+ private:
+  at::Tensor run(const Stack* draft, int64_t verify, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                 const at::Tensor& visible, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                 const std::vector<at::Tensor>& tiles, const std::vector<int64_t>& valid, int64_t n) const;
 };

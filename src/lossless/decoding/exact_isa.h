@@ -2276,7 +2276,10 @@ std::vector<int64_t> stack_counts() {
 template <typename T>
 struct StackRun {
   const Stack& stack;
-  int64_t m, n, hidden;
+  // a fused forward's draft view (null: none): rows nv.. take its q/k/v, q/k norms and o; the rest of each layer
+  // (the norms, the MLP) is the AR layer's, which the draft view shares
+  const Stack* views;
+  int64_t m, nv, n, hidden;
   const T* cos;
   const T* sin;
   const std::vector<at::Tensor>& keys;
@@ -2287,15 +2290,16 @@ struct StackRun {
   // scratch, shared by the threads: the hidden rows, normed rows, projections, attention, MLP
   std::vector<T> x, xn, q, k, v, qr, a, o, g, u, act, d, kn;
   Rows<T> rows_in, rows_a, rows_h, rows_act;
+  Rows<T> rows_in_d, rows_a_d;  // a fused forward's draft rows, for the draft view's projections
   std::vector<float> kt_build;  // fp32 key tiles built per layer (without AVX-512)
   SpinBarrier barrier;
   typename Attention<T>::Shared split_scratch;  // a split attention's (`Attention::with_split`)
   uint64_t caller_mode;
 
-  StackRun(const Stack& s, const at::Tensor& x0, const at::Tensor& c, const at::Tensor& sn, const at::Tensor& visible,
-           const std::vector<at::Tensor>& kb, const std::vector<at::Tensor>& vb, const std::vector<at::Tensor>& tb,
-           const std::vector<int64_t>& tv, int64_t n_)
-      : stack(s), m(x0.size(0)), n(n_), hidden(x0.size(1)), cos(c.data_ptr<T>()), sin(sn.data_ptr<T>()), keys(kb),
+  StackRun(const Stack& s, const Stack* draft, int64_t verify, const at::Tensor& x0, const at::Tensor& c,
+           const at::Tensor& sn, const at::Tensor& visible, const std::vector<at::Tensor>& kb,
+           const std::vector<at::Tensor>& vb, const std::vector<at::Tensor>& tb, const std::vector<int64_t>& tv, int64_t n_)
+      : stack(s), views(draft), m(x0.size(0)), nv(verify), n(n_), hidden(x0.size(1)), cos(c.data_ptr<T>()), sin(sn.data_ptr<T>()), keys(kb),
         values(vb), tiles(tb), valid(tv), seen(visible_keys(visible.data_ptr<bool>(), m, n_ + m)), caller_mode(FloatMode::get()) {
     int64_t nq = 0, nk = 0, inter = 0, d_max = 0, tiles_max = 0;
     for (const Stack::Layer& L : s.layers) {
@@ -2365,24 +2369,47 @@ struct StackRun {
     }
   }
 
-  void linear(const Rows<T>& rows, const std::vector<Weight<T>>& weights, int t, int threads, uint64_t& step) const {
+  // rows through weights: all m rows, or (a fused forward's) the first nv rows through `weights` and the rest
+  // (`draft`, from its own rows) through `draft_weights`, the panels of both in one step
+  struct Part {
+    const Rows<T>* rows;
+    int64_t m;
+    std::vector<Weight<T>> weights;
+    int64_t panels = 0;
+  };
+  static void part_panels(const std::array<Part, 2>& parts, int64_t g0, int64_t g1) {
+    int64_t first = 0;
+    for (const Part& part : parts) {
+      const int64_t p0 = std::max(g0, first) - first, p1 = std::min(g1, first + part.panels) - first;
+      if (p0 < p1) linear_panels(*part.rows, part.m, part.weights, p0, p1);
+      first += part.panels;
+    }
+  }
+  void linear(const Rows<T>& rows, std::vector<Weight<T>> weights, int t, int threads, uint64_t& step,
+              const Rows<T>* draft = nullptr, std::vector<Weight<T>> draft_weights = {}) const {
+    std::array<Part, 2> parts{Part{&rows, draft ? nv : m, std::move(weights)}, Part{draft, m - nv, std::move(draft_weights)}};
+    if (draft == nullptr) parts[1].m = 0;
     int64_t total = 0;
-    for (const Weight<T>& w : weights) total += w.panels;
+    for (Part& part : parts) {
+      for (const Weight<T>& w : part.weights) part.panels += w.panels;
+      if (part.m == 0) part.panels = 0;
+      total += part.panels;
+    }
     const uint64_t gen = ++step % 0xFFFF + 1;  // 1..65535: never a fresh word's 0
     if (stack_stall() && t == threads - 1 && threads > 1)
       std::this_thread::sleep_for(std::chrono::microseconds(stack_stall()));
     const FlushDenormals flush;
 #if defined(LOSSLESS_AMX)
-    const TileHold hold(rows.amx);
+    const TileHold hold(rows.amx || (parts[1].panels && draft->amx));
 #endif
     int64_t p0, p1, own = 0, taken = 0;
     while (claim(t, true, gen, total, threads, p0, p1)) {
-      linear_panels(rows, m, weights, p0, p1);
+      part_panels(parts, p0, p1);
       own += p1 - p0;
     }
     for (int o = 1; o < threads; ++o)
       while (claim((t + o) % threads, false, gen, total, threads, p0, p1)) {
-        linear_panels(rows, m, weights, p0, p1);
+        part_panels(parts, p0, p1);
         taken += p1 - p0;
       }
     counts[t].panels += own + taken;
@@ -2395,7 +2422,9 @@ struct StackRun {
   }
 
   // rows r0..r1-1: x += add (ATen's rounding, the caller's mode), then the norm (the kernel's) into out and rows
-  void residual_norm(const T* add, const at::Tensor& w, double eps, T* out, Rows<T>& rows, int64_t r0, int64_t r1) {
+  // (a fused forward's draft rows, from nv on, into `draft` where given)
+  void residual_norm(const T* add, const at::Tensor& w, double eps, T* out, Rows<T>& rows, int64_t r0, int64_t r1,
+                     Rows<T>* draft = nullptr) {
     if (add != nullptr) {
       FloatMode::set(caller_mode);
       combine_rounded<true>(x.data() + r0 * hidden, add + r0 * hidden, (r1 - r0) * hidden, x.data() + r0 * hidden);
@@ -2404,7 +2433,10 @@ struct StackRun {
       const FlushDenormals flush;
       for (int64_t r = r0; r < r1; ++r) rms_row(x.data() + r * hidden, w.data_ptr<T>(), hidden, static_cast<float>(eps), out + r * hidden);
     }
-    for (int64_t r = r0; r < r1; ++r) rows.fill(out, r, 0, rows.steps);
+    for (int64_t r = r0; r < r1; ++r) {
+      if (draft != nullptr && r >= nv) draft->fill(out + nv * hidden, r - nv, 0, draft->steps);
+      else rows.fill(out, r, 0, rows.steps);
+    }
   }
 
   void run(int t, int threads) {
@@ -2419,6 +2451,8 @@ struct StackRun {
     uint64_t step = 0;  // the linear steps so far (the same count on every thread)
     for (size_t l = 0; l < stack.layers.size(); ++l) {
       const Stack::Layer& L = stack.layers[l];
+      const Stack::Layer& D = views ? views->layers[l] : L;  // the draft rows' view
+      Rows<T>* rows_in_v = views ? &rows_in_d : nullptr;
       const int64_t hd = L.head_dim, nq = L.n_in[0], nk = L.n_in[1], heads = nq / hd, kvh = nk / hd;
       const int64_t inter = L.n_out[1];
       const int64_t cap = keys[l].size(2), ks = cap * hd;
@@ -2428,11 +2462,13 @@ struct StackRun {
       const int64_t tcap = tiles[l].size(1), tstride = tcap * tile_steps<T>(hd) * LANES;
       // 1. (the previous layer's MLP residual) and the input norm, by rows
       share(m, t, threads, 1, b, e);
-      residual_norm(l ? d.data() : nullptr, L.norm_in, L.eps_in, xn.data(), rows_in, b, e);
+      residual_norm(l ? d.data() : nullptr, L.norm_in, L.eps_in, xn.data(), rows_in, b, e, rows_in_v);
       sync();
-      // 2. q, k, v
+      // 2. q, k, v (a fused forward's draft rows through the draft view's)
       linear(rows_in, {weight(L.packed_in[0], L.bias_in[0], nq, q.data()), weight(L.packed_in[1], L.bias_in[1], nk, k.data()),
-                       weight(L.packed_in[2], L.bias_in[2], nk, v.data())}, t, threads, step);
+                       weight(L.packed_in[2], L.bias_in[2], nk, v.data())}, t, threads, step, rows_in_v,
+             {weight(D.packed_in[0], D.bias_in[0], nq, q.data() + nv * nq), weight(D.packed_in[1], D.bias_in[1], nk, k.data() + nv * nk),
+              weight(D.packed_in[2], D.bias_in[2], nk, v.data() + nv * nk)});
       sync();
       // 3. by (row, head): q/k norms (the kernel's), rotary (ATen's rounding), keys and values into the cache
       share(m * (heads + kvh), t, threads, 1, b, e);
@@ -2442,9 +2478,10 @@ struct StackRun {
           const int64_t r = i / (heads + kvh), h = i % (heads + kvh);
           const bool is_q = h < heads;
           const T* src = is_q ? q.data() + r * nq + h * hd : k.data() + r * nk + (h - heads) * hd;
-          const at::Tensor& w = is_q ? L.q_norm : L.k_norm;
+          const Stack::Layer& V = r < nv ? L : D;
+          const at::Tensor& w = is_q ? V.q_norm : V.k_norm;
           T* dst = kn.data() + i * hd;
-          if (w.numel()) rms_row(src, w.data_ptr<T>(), hd, static_cast<float>(L.qk_eps), dst);
+          if (w.numel()) rms_row(src, w.data_ptr<T>(), hd, static_cast<float>(V.qk_eps), dst);
           else std::copy(src, src + hd, dst);
         }
       }
@@ -2504,10 +2541,15 @@ struct StackRun {
       }
       // 5. o's input
       share(m * rows_a.steps, t, threads, 1, b, e);
-      rows_a.fill_flat(a.data(), b, e);
+      {
+        const int64_t split = views ? nv * rows_a.steps : e;  // a fused forward's draft rows from here
+        rows_a.fill_flat(a.data(), b, std::min(e, split));
+        if (e > split) rows_a_d.fill_flat(a.data() + nv * nq, std::max(b, split) - split, e - split);
+      }
       sync();
-      // 6. o
-      linear(rows_a, {weight(L.packed_out[0], L.bias_out[0], hidden, o.data())}, t, threads, step);
+      // 6. o (the draft rows' through the draft view's)
+      linear(rows_a, {weight(L.packed_out[0], L.bias_out[0], hidden, o.data())}, t, threads, step,
+             views ? &rows_a_d : nullptr, {weight(D.packed_out[0], D.bias_out[0], hidden, o.data() + nv * hidden)});
       sync();
       // 7. residual, post-attention norm, by rows
       share(m, t, threads, 1, b, e);
@@ -2548,14 +2590,16 @@ struct StackRun {
 };
 
 template <typename T>
-at::Tensor stack_forward(const Stack& s, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                         const at::Tensor& visible, const std::vector<at::Tensor>& keys,
+at::Tensor stack_forward(const Stack& s, const Stack* draft, int64_t verify, const at::Tensor& x, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& visible, const std::vector<at::Tensor>& keys,
                          const std::vector<at::Tensor>& values, const std::vector<at::Tensor>& tiles,
                          const std::vector<int64_t>& valid, int64_t n) {
-  StackRun<T> run(s, x, cos, sin, visible, keys, values, tiles, valid, n);
+  StackRun<T> run(s, draft, verify, x, cos, sin, visible, keys, values, tiles, valid, n);
   const int64_t m = run.m;
   int64_t inter = 0, nq = 0;
-  for (const Stack::Layer& L : s.layers) {
+  for (size_t l = 0; l < s.layers.size(); ++l) {
+    const Stack::Layer& L = s.layers[l];
+    const Stack::Layer& D = draft ? draft->layers[l] : L;
     inter = std::max(inter, L.n_out[1]);
     nq = std::max(nq, L.n_in[0]);
     const auto panels = [](const std::vector<at::Tensor>& p, size_t a, size_t b) {
@@ -2563,14 +2607,19 @@ at::Tensor stack_forward(const Stack& s, const at::Tensor& x, const at::Tensor& 
       for (size_t i = a; i < b; ++i) sum += p[i].size(0);
       return sum;
     };
-    for (const int64_t step : {panels(L.packed_in, 0, 3), panels(L.packed_out, 0, 1), panels(L.packed_out, 1, 3),
+    for (const int64_t step : {panels(L.packed_in, 0, 3) + panels(D.packed_in, 0, 3),
+                               panels(L.packed_out, 0, 1) + panels(D.packed_out, 0, 1), panels(L.packed_out, 1, 3),
                                panels(L.packed_out, 3, 4)})  // a claim's word holds 24 bits of panels
       TORCH_CHECK(step < (int64_t{1} << 24), "Stack.forward: a linear step of 2^24 panels or more");
   }
-  run.rows_in.resize(m, run.hidden);
+  run.rows_in.resize(run.nv, run.hidden);
   run.rows_h.resize(m, run.hidden);
-  run.rows_a.resize(m, nq);
+  run.rows_a.resize(run.nv, nq);
   run.rows_act.resize(m, inter);
+  if (draft != nullptr) {
+    run.rows_in_d.resize(m - run.nv, run.hidden);
+    run.rows_a_d.resize(m - run.nv, nq);
+  }
   const int threads = std::max(1, at::get_num_threads());
   run.claims = std::make_unique<typename StackRun<T>::Claim[]>(static_cast<size_t>(threads));
   run.counts = std::make_unique<typename StackRun<T>::Count[]>(static_cast<size_t>(threads));
@@ -2596,6 +2645,34 @@ at::Tensor Stack::forward(const at::Tensor& x, const at::Tensor& cos, const at::
                           const at::Tensor& visible, const std::vector<at::Tensor>& keys,
                           const std::vector<at::Tensor>& values, const std::vector<at::Tensor>& tiles,
                           const std::vector<int64_t>& valid, int64_t n) const {
+  return run(nullptr, x.size(0), x, cos, sin, visible, keys, values, tiles, valid, n);
+}
+
+// A fused forward: the first `verify` rows through these layers (the AR view), the rest through `draft`'s q/k/v,
+// q/k norms and o (the draft view) and these layers' norms and MLP, which the two views share. Every row's keys
+// and values are written at its position n + r, the draft rows' past the verify rows (the caller keeps n + verify).
+at::Tensor Stack::forward_views(const Stack& draft, int64_t verify, const at::Tensor& x, const at::Tensor& cos,
+                                const at::Tensor& sin, const at::Tensor& visible, const std::vector<at::Tensor>& keys,
+                                const std::vector<at::Tensor>& values, const std::vector<at::Tensor>& tiles,
+                                const std::vector<int64_t>& valid, int64_t n) const {
+  TORCH_CHECK(x.dim() == 2 && verify >= 1 && verify <= x.size(0), "Stack.forward_views: 1 to all rows verified");
+  TORCH_CHECK(draft.layers.size() == layers.size(), "Stack.forward_views: a draft view of every layer");
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const Layer& L = layers[l];
+    const Layer& D = draft.layers[l];
+    bool shared = D.n_in == L.n_in && D.n_out == L.n_out && D.head_dim == L.head_dim && D.scaling == L.scaling &&
+                  D.norm_in.is_same(L.norm_in) && D.norm_out.is_same(L.norm_out) && D.eps_in == L.eps_in &&
+                  D.eps_out == L.eps_out;
+    for (size_t i = 1; i < 4; ++i) shared = shared && D.packed_out[i].is_same(L.packed_out[i]) && D.bias_out[i].is_same(L.bias_out[i]);
+    TORCH_CHECK(shared, "Stack.forward_views: the draft view shares each layer's shapes, norms and MLP");
+  }
+  return run(&draft, verify, x, cos, sin, visible, keys, values, tiles, valid, n);
+}
+
+at::Tensor Stack::run(const Stack* draft, int64_t verify, const at::Tensor& x, const at::Tensor& cos,
+                      const at::Tensor& sin, const at::Tensor& visible, const std::vector<at::Tensor>& keys,
+                      const std::vector<at::Tensor>& values, const std::vector<at::Tensor>& tiles,
+                      const std::vector<int64_t>& valid, int64_t n) const {
   TORCH_CHECK(!layers.empty(), "Stack.forward: no layers");
   const Layer& first = layers[0];
   const int64_t m = x.size(0), d = first.head_dim, kvh = first.n_in[1] / d;
@@ -2629,6 +2706,6 @@ at::Tensor Stack::forward(const at::Tensor& x, const at::Tensor& cos, const at::
                 "Stack.forward: key tiles [kv, tiles, steps, 16] int32 for cache + rows positions");
   }
   DISPATCH(x.scalar_type(), "Stack.forward",
-           return stack_forward<scalar>(*this, x, cos, sin, visible, keys, values, tiles, valid, n));
+           return stack_forward<scalar>(*this, draft, verify, x, cos, sin, visible, keys, values, tiles, valid, n));
   return at::Tensor();
 }

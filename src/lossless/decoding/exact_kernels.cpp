@@ -81,6 +81,9 @@ namespace isa_scalar {
         .def("add", &isa_##NS::Stack::add, "append a layer (layer_in's and layer_out's arguments)")               \
         .def("__len__", [](const isa_##NS::Stack& s) { return s.layers.size(); })                                  \
         .def("forward", &isa_##NS::Stack::forward, "all layers over rows at cache positions n..",                 \
+             pybind11::call_guard<pybind11::gil_scoped_release>())                                               \
+        .def("forward_views", &isa_##NS::Stack::forward_views,                                                    \
+             "a fused forward: verify rows through these layers, the rest through a draft view's",               \
              pybind11::call_guard<pybind11::gil_scoped_release>());                                              \
   } while (0)
 

@@ -54,10 +54,7 @@ class DecodingModel(Protocol):
     def verify_and_draft(self, cache, block_ids: list[int], anchors: list[int],
                          width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward: AR logits [len(block), V] (appending the block to the cache) and, for each block
-        offset in `anchors`, a draft group's hidden states [len(anchors), width, d]."""
-
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [m, V] of draft rows [m, d] from `verify_and_draft`."""
+        offset in `anchors`, a draft group's logits [len(anchors), width, V]."""
 
     def verify_tree(self, cache, ids: list[int], parents: list[int]) -> torch.Tensor:
         """AR logits [len(ids), V] of a token tree (row 0 the root, row i's parent row parents[i] < i), each
@@ -502,8 +499,7 @@ def fused_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: 
         if drafter is not None:
             state.drafts, state.draft_q = drafter(model, state, k_next, cfg.sampling, generator)
         elif n_accepted < n_groups:
-            draft_logits = model.draft_logits(groups[n_accepted, : k_next - 1])  # [k_next - 1, V]
-            state.drafts, state.draft_q = propose(draft_logits, cfg.sampling, generator)
+            state.drafts, state.draft_q = propose(groups[n_accepted, : k_next - 1], cfg.sampling, generator)
     return kept
 
 

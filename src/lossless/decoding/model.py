@@ -78,7 +78,16 @@ class OrthrusLM(nn.Module):
         emb = self.backbone.get_input_embeddings().weight
         if not emb.is_meta:
             return emb
-        return next(p for p in self.backbone.parameters() if not p.is_meta)
+        # where one was found last time (every forward asks, and a search over the parameters costs about 0.1 ms),
+        # if it still holds its values: a frozen one where there is one (a norm's: never released nor replaced)
+        module, name = self.__dict__.get("_held_at", (None, None))
+        held = module._parameters.get(name) if module is not None else None
+        if held is None or held.is_meta or self.__dict__.get("_held_in") is not self.backbone:
+            found = [(m, n, p) for m in self.backbone.modules() for n, p in m._parameters.items()
+                     if p is not None and not p.is_meta]
+            module, name, held = min(found, key=lambda f: f[2].requires_grad)  # the first frozen one, else the first
+            self.__dict__["_held_at"], self.__dict__["_held_in"] = (module, name), self.backbone
+        return held
 
     @property
     def device(self) -> torch.device:
@@ -332,26 +341,30 @@ class OrthrusLM(nn.Module):
         own group bidirectionally: the layout the head was trained on. Groups are never written to the cache,
         and no verify row sees a group row.
 
-        Returns (verify logits [len(block_ids), V], group hidden states [len(anchors), width, d] at the mask
-        positions; `draft_logits` turns the chosen group's rows into logits)."""
+        Returns (verify logits [len(block_ids), V], each group's draft logits [len(anchors), width, V] at its mask
+        positions): one pass of the LM head over both, so its weights are read once a cycle."""
         pos = cache.get_seq_length()
         v, g, rows = len(block_ids), len(anchors), width + 1
-        ids = torch.tensor(block_ids, device=self.device)
-        offsets = torch.tensor(anchors, dtype=torch.long, device=self.device)
+        held = self._held_parameter()
+        device, dtype = held.device, held.dtype
+        ids = torch.tensor(block_ids, device=device)
+        offsets = torch.tensor(anchors, dtype=torch.long, device=device)
         embeds = torch.cat([self.backbone.get_input_embeddings()(ids)[None],
                             self.block_embeddings(ids[offsets], rows)], dim=1)  # [1, v + g*rows, d]
-        steps = torch.arange(rows, device=self.device)
-        position_ids = torch.cat([pos + torch.arange(v, device=self.device),
+        steps = torch.arange(rows, device=device)
+        position_ids = torch.cat([pos + torch.arange(v, device=device),
                                   (pos + offsets[:, None] + steps).reshape(-1)])[None]
-        causal, _ = tree_visibility(list(range(-1, v - 1)), pos)  # a chain: row r sees keys 0..pos+r
-        verify_mask = additive_mask(causal, self.dtype).to(self.device)
-        group_mask = additive_mask(block_visibility([pos + n for n in anchors], rows, pos + v), self.dtype)
-        spec = DraftSpec(context_mask=group_mask.to(self.device), verify_rows=v, verify_mask=verify_mask)
+        causal = torch.ones(v, pos + v, dtype=torch.bool).tril(pos)  # a chain: row r sees keys 0..pos+r
+        verify_mask = additive_mask(causal, dtype).to(device)
+        group_mask = additive_mask(block_visibility([pos + n for n in anchors], rows, pos + v), dtype)
+        spec = DraftSpec(context_mask=group_mask.to(device), verify_rows=v, verify_mask=verify_mask)
         out = self.backbone.model(inputs_embeds=embeds, position_ids=position_ids, attention_mask=verify_mask,
                                   cache=cache, use_cache=True, orthrus_draft=spec)
         hidden = out.last_hidden_state[0]  # [v + g*rows, d]
         assert cache.get_seq_length() == pos + v, "a fused forward writes exactly its verify rows"
-        return self.backbone.lm_head(hidden[:v]), hidden[v:].reshape(g, rows, hidden.shape[-1])[:, 1:]
+        masks = hidden[v:].reshape(g, rows, hidden.shape[-1])[:, 1:]  # each group's mask rows
+        logits = self.backbone.lm_head(torch.cat([hidden[:v], masks.reshape(g * width, hidden.shape[-1])]))
+        return logits[:v], logits[v:].reshape(g, width, logits.shape[-1])
 
     def default_choice(self, remeasure: bool = False, context: int | None = None):
         """What a greedy orthrus request with no cycle of its own runs after `context` positions (its prompt's
