@@ -87,7 +87,7 @@ def labelled_exact_kernels():
     make_stack = FusedStackMixin._lossless_stack
     for name, fn in saved.items():
         setattr(kernels, name, wrap(name, fn))
-    FusedStackMixin._lossless_stack = lambda self, draft: LabelledStack(make_stack(self, draft))
+    FusedStackMixin._lossless_stack = lambda self, draft, **kw: LabelledStack(make_stack(self, draft, **kw))
     try:
         yield
     finally:

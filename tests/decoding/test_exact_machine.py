@@ -674,6 +674,34 @@ def test_fused_decoder_layers_give_the_bits_of_the_module_path(family, dtype, da
         assert torch.equal(bits(a), bits(c)) and torch.equal(bits(b), bits(c)), i
 
 
+def test_the_layer_stack_follows_head_weights_changed_in_place_or_replaced(family):
+    """A stack is kept between forwards and made again when any weight it was made from changes: a draft pass
+    after the head's weights change in place (a training step, a loaded head), or after one is replaced by a new
+    tensor, gives the module path's draft logits for the new weights, not the old ones."""
+    from lossless.decoding.exact import layer_modules
+
+    model = OrthrusLM(tiny_backbone(family), k=4)
+    model.set_attn("exact")
+    cache, _ = model.prefill(PROMPTS_FOR_STACK)
+    before = model.draft(cache, 7, 4)
+    perturb_head(model, 0.5)  # in place
+    changed = model.draft(cache, 7, 4)
+    with layer_modules():
+        assert torch.equal(changed, model.draft(cache, 7, 4)) and not torch.equal(changed, before)
+    attn = model.backbone.model.layers[1].self_attn
+    replace = ["v_proj_diff"] + (["q_norm_diff"] if family == "qwen3" else [])
+    with torch.no_grad():
+        for name in replace:  # a new tensor in the module's place
+            module = getattr(attn, name)
+            module.weight = torch.nn.Parameter(module.weight * 3)
+    replaced = model.draft(cache, 7, 4)
+    with layer_modules():
+        assert torch.equal(replaced, model.draft(cache, 7, 4)) and not torch.equal(replaced, changed)
+
+
+PROMPTS_FOR_STACK = [3, 9, 14, 15, 22, 40, 41, 2]
+
+
 # -------------------------------------------------------------------------------------------- borders
 def test_the_fused_cycle_decodes_up_to_the_end_of_the_context(family):
     """Draft groups reach k - 3 positions past the last token a request may commit; the table grows to them."""

@@ -85,7 +85,7 @@ class GrowingLayer(DynamicLayer):
     def extend(self, q: int) -> None:
         """Count in the q positions past the cache's end that a caller wrote into the buffers (after `room`)."""
         n = self.keys.shape[2] + q
-        self.keys, self.values = self._buffers[0][:, :, :n], self._buffers[1][:, :, :n]
+        self.keys, self.values = self._buffers[0].narrow(2, 0, n), self._buffers[1].narrow(2, 0, n)
 
     def _tiles_current(self) -> bool:
         return self._tiles is not None and self._buffers is not None and \

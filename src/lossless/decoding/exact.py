@@ -35,6 +35,7 @@ import ctypes
 import ctypes.util
 import functools
 import mmap
+import operator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -408,8 +409,7 @@ class FusedStackMixin:
         args = (embeds[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(), visible, [b[0] for b in buffers],
                 [b[1] for b in buffers], [t[0] for t in tiles], [t[1] for t in tiles], n)
         if views and v < q:
-            ar, drafts = self._lossless_stack(False), self._lossless_stack(True)
-            self._lossless_mark_rows(v)
+            ar, drafts = self._lossless_stack(False), self._lossless_stack(True, rows_from=v)
             hidden = ar.forward_views(drafts, v, *args)
         else:  # (a fused forward without draft rows is a verify pass)
             hidden = self._lossless_stack(draft is not None and not views).forward(*args)
@@ -420,25 +420,44 @@ class FusedStackMixin:
 
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden[None]), cache=cache)
 
-    def _lossless_stack(self, draft: bool):
-        """The kernel stack of every layer's AR (or draft-view) plan, made again when any layer's plan is."""
-        plans = [layer._lossless_current_plan(draft) for layer in self.layers]
-        self._lossless_mark_rows(0 if draft else None)
+    def _lossless_stack(self, draft: bool, rows_from: int = 0):
+        """The kernel stack of every layer's AR (or draft-view) plan, made again when any weight a plan was made
+        from has changed (every forward asks, so the check runs over all layers' weights at once, in C). The
+        layers' draft-row markers say where the forward's draft rows start, as the layer-by-layer path marks
+        them: none (AR), or `rows_from`."""
         key = (draft, kernels.isa())
         held = self.__dict__.setdefault("_lossless_stacks", {}).get(key)
-        if held is None or len(held[0]) != len(plans) or any(a is not b for a, b in zip(held[0], plans)):
-            stack = kernels.stack()
-            for _, _, _, scaling, args_in, args_out in plans:
-                stack.add(*args_in, scaling, *args_out)
-            held = self._lossless_stacks[key] = (plans, stack)
-        return held[1]
+        if held is None or not held.current(len(self.layers)):
+            plans = [layer._lossless_current_plan(draft) for layer in self.layers]
+            held = self._lossless_stacks[key] = _HeldStack(plans)
+        held.mark_rows(rows_from if draft else None)
+        return held.stack
 
-    def _lossless_mark_rows(self, start: int | None) -> None:
-        """Where the forward's draft rows start, on every layer's marker, as the layer-by-layer path marks them."""
-        for layer in self.layers:
-            rows = getattr(layer.self_attn, "_orthrus_rows", None)
-            if rows is not None:
-                rows.start = start
+
+_VERSION = operator.attrgetter("_version")
+
+
+class _HeldStack:
+    """A kernel stack made from every layer's plan, with what it was made from: each weight's place (its module's
+    parameter dict and name), the tensor found there and its version; and the layers' draft-row markers."""
+
+    def __init__(self, plans: list[tuple]):
+        self.stack = kernels.stack()
+        for _, _, _, scaling, args_in, args_out in plans:
+            self.stack.add(*args_in, scaling, *args_out)
+        stamps = [stamp for plan in plans for stamp in plan[0]]
+        self.places, self.names = [d for d, *_ in stamps], [name for _, name, *_ in stamps]
+        self.tensors, self.versions = [t for *_, t, _ in stamps], [v for *_, v in stamps]
+        self.layers, self.rows = len(plans), [rows for _, rows, *_ in plans if rows is not None]
+
+    def current(self, layers: int) -> bool:
+        """Whether every weight is still the tensor the stack was made from, at the same version."""
+        return (layers == self.layers and all(map(operator.is_, map(dict.get, self.places, self.names), self.tensors))
+                and list(map(_VERSION, self.tensors)) == self.versions)
+
+    def mark_rows(self, start: int | None) -> None:
+        for rows in self.rows:
+            rows.start = start
 
 
 def _fusable(layer: torch.nn.Module) -> bool:
