@@ -121,7 +121,8 @@ def cmd_generate(args) -> int:
         s = out.stats
         if out.config.get("choice"):
             print(f"\n[default cycle: {out.config['choice']['why']}]", end="", file=sys.stderr)
-        print(f"\n[{_config_label(out.config)} | {s['new_tokens']} tokens, {s['steps']} steps, "
+        gave_way = f", AR from token {s['ar_from']}" if s.get("ar_from") is not None else ""
+        print(f"\n[{_config_label(out.config)}{gave_way} | {s['new_tokens']} tokens, {s['steps']} steps, "
               f"{s['forwards']} forwards, {s['tokens_per_step']:.2f} tokens/step, "
               f"{s['tokens_per_second']:.1f} tokens/s, finish={out.finish_reason}]", file=sys.stderr)
     return 0

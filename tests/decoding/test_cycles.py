@@ -182,7 +182,8 @@ def test_costs_are_measured_once_then_read_from_the_cache(trained, cache, monkey
     first = cycles.cached_costs(trained)
     assert measured == [12] and set(first["rows"]) == {str(r) for r in cycles.COST_ROWS}
     assert all(ms > 0 for ms in first["rows"].values()) and first["draft"] > 0
-    assert set(first["bookkeeping"]) == {"ar", "chain", "tree 32"} and min(first["bookkeeping"].values()) >= 0
+    assert set(first["bookkeeping"]) == {"ar", "chain", "tree 32", "ar sampled", "chain sampled"}
+    assert min(first["bookkeeping"].values()) >= 0
     assert first["variant"] != "stock" and first["key"] == cycles.costs_key(trained)
     long = first["long"]  # after the longest prompt the tiny model's 256 positions leave room for
     assert long["cache_len"] == 256 - max(cycles.COST_ROWS) - trained.k - 2 and set(long["rows"]) == set(first["rows"])
@@ -228,12 +229,13 @@ def test_a_watch_inside_a_watch_counts_in_both_and_leaves_the_model_as_it_was(tr
     ('{"version": 1, "candidates": []}', None),  # no candidates
     ('[1, 2]', None),  # JSON, not an object
     ('{"version": 1, "candidates": [{"tree": 0, "lookup": 0, "tokens": 0, "drafts": 0, "verifies": {}}]}', None),
-    (None, '{"version": 3, "rows": {"1": 10.0}, "draft": 12.0}'),  # one row count: nothing to interpolate
+    (None, '{"version": 4, "rows": {"1": 10.0}, "draft": 12.0}'),  # one row count: nothing to interpolate
     (None, '["not", "costs"]'),
-    (None, '{"version": 3, "rows": {"1": 10.0, "9": -1}, "draft": 12.0}'),
+    (None, '{"version": 4, "rows": {"1": 10.0, "9": -1}, "draft": 12.0}'),
     (None, '{"version": 2, "rows": {"1": 10.0, "9": 12.0}, "draft": 12.0}'),  # the version before long contexts
-    (None, '{"version": 3, "cache_len": null, "rows": {"1": 10.0, "9": 12.0}, "draft": 12.0}'),
-    (None, '{"version": 3, "cache_len": 100, "rows": {"1": 10.0, "9": 12.0}, "draft": 12.0, '
+    (None, '{"version": 3, "rows": {"1": 10.0, "9": 12.0}, "draft": 12.0}'),  # before sampled bookkeeping
+    (None, '{"version": 4, "cache_len": null, "rows": {"1": 10.0, "9": 12.0}, "draft": 12.0}'),
+    (None, '{"version": 4, "cache_len": 100, "rows": {"1": 10.0, "9": 12.0}, "draft": 12.0, '
            '"long": {"cache_len": 50, "rows": {"1": 20.0, "9": 40.0}, "draft": 30.0}}'),  # a "long" one shorter
 ])
 def test_a_bad_profile_or_costs_file_falls_back_instead_of_failing(trained, cache, profile_text, costs_text):
@@ -301,7 +303,7 @@ def test_explicit_cycles_and_untrained_heads_keep_the_fixed_defaults(trained, ca
     explicit = trained.generate(PROMPTS[0], max_new_tokens=6, tree=4)
     assert explicit.config["choice"] is None and (explicit.config["tree"], explicit.config["lookup"]) == (4, DEFAULT_LOOKUP)
     assert trained.generate(PROMPTS[0], max_new_tokens=6, k=3).config["choice"] is None
-    assert trained.generate(PROMPTS[0], max_new_tokens=6, temperature=0.7).config["choice"] is None
+    assert trained.generate(PROMPTS[0], max_new_tokens=6, k=3, temperature=0.7).config["choice"] is None
     untrained = tiny_orthrus("llama", k=4, seed=0)
     assert untrained.generate(PROMPTS[0], max_new_tokens=6).config["choice"] is None
     monkeypatch.setenv(cycles.CYCLE_ENV, "fixed")
@@ -326,3 +328,44 @@ def test_the_shipped_head_brings_the_profile_of_its_own_digest():
     assert profile["head"] == stored_head_digest(HEADS_DIR / "smollm2-135m")  # a new head needs a new profile
     assert [(e["tree"], e["lookup"]) for e in profile["candidates"]] == list(cycles.CANDIDATES)
     assert len({e["tokens"] for e in profile["candidates"]}) == 1  # recorded on exact kernels: the same tokens
+
+
+def test_a_sampled_requests_chain_gives_way_to_ar_where_its_cycles_do_not_pay(trained, cache):
+    """A sampled request with no cycle of its own runs the chain, and after FALLBACK_CYCLES cycles goes on as AR
+    if it commits fewer tokens a cycle than a chain cycle costs in steps on this CPU (times the margin): with
+    Intel's costs and dear sampling (a cycle 5 steps, more than its block) it gives way, with costs where a cycle
+    costs a fifth of a step it never does. The same seed gives the same tokens."""
+    from lossless.decoding.sampling import SamplingConfig
+
+    _costs_file(trained, cache, {**INTEL, "bookkeeping": {"ar sampled": 0.5, "chain sampled": 5.0}})
+    trained._sampling_costs = None
+    config = trained.generate(PROMPTS[0], max_new_tokens=4, temperature=0.8).config
+    choice = trained.sampling_choice()
+    even = (1.5 + cycles.cost_at(INTEL, trained.k) + 5.0) / (1.0 + 0.5)  # draft, verify of k rows, bookkeeping
+    assert config["choice"] == choice.to_dict() and config["mode"] == "orthrus" and "giving way to AR" in choice.why
+    assert choice.ar_below == pytest.approx(even * cycles.SAMPLING_MARGIN, abs=1e-3)
+
+    def run(ar_below):
+        cfg = DecodeConfig(max_new_tokens=40, eos_ids=(-1,), sampling=SamplingConfig(temperature=0.8, seed=3),
+                           ar_below=ar_below)
+        return decode(trained, PROMPTS[0], "orthrus", cfg)
+
+    state = run(choice.ar_below)
+    accepted, ar_from = state.stats.accepted, state.stats.ar_from
+    assert len(accepted) == cycles.FALLBACK_CYCLES and ar_from == 1 + sum(accepted) + len(accepted)
+    assert state.stats.steps == len(accepted) + len(state.generated) - ar_from  # then one AR step a token
+    assert run(choice.ar_below).generated == state.generated
+    _costs_file(trained, cache, {"rows": {"1": 10.0, "2": 1.0, "40": 1.0}, "draft": 1.0})  # a fifth of a step
+    trained._sampling_costs = None
+    cheap = run(trained.sampling_choice().ar_below)
+    assert cheap.stats.ar_from is None and len(cheap.stats.accepted) == cheap.stats.steps
+
+
+def test_giving_way_to_ar_keeps_exact_ar_tokens_when_greedy(trained):
+    """The loop's switch itself: an orthrus decode told to give way at any tokens per cycle runs
+    FALLBACK_CYCLES cycles, then AR steps, and in exact mode commits AR's tokens throughout."""
+    cfg = DecodeConfig(max_new_tokens=30, eos_ids=(-1,), ar_below=1e9)
+    state = decode(trained, PROMPTS[1], "orthrus", cfg)
+    assert len(state.stats.accepted) == cycles.FALLBACK_CYCLES and state.stats.ar_from is not None
+    assert state.generated == decode(trained, PROMPTS[1], "ar", DecodeConfig(max_new_tokens=30, eos_ids=(-1,))).generated
+    assert decode(trained, PROMPTS[1], "orthrus", DecodeConfig(max_new_tokens=30, eos_ids=(-1,))).stats.ar_from is None

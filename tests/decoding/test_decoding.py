@@ -383,6 +383,33 @@ def test_chi2_check_has_power_against_uncorrected_draft_sampling(spread_model, a
     assert _chi2_pvalue(ar, from_q) < 1e-3
 
 
+def test_a_draw_follows_the_distribution_and_never_takes_a_token_of_no_chance(monkeypatch):
+    """`sample` draws token i with chance probs[i] / sum(probs) (a goodness-of-fit test over 20,000 draws from
+    unnormalised weights with zeros among them), never a zero-weight token, even where the uniform draw lands on
+    the whole sum (rounding), and one seed gives one sequence of draws; weights that are no distribution are
+    refused."""
+    from scipy.stats import chisquare
+
+    weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 5e-3, 2.0, 0.0, 0.5, 0.0])
+    g = torch.Generator().manual_seed(0)
+    draws = Counter(sample(weights, g) for _ in range(20_000))
+    assert set(draws) <= {i for i, w in enumerate(weights.tolist()) if w > 0}
+    seen = [i for i, w in enumerate(weights.tolist()) if w > 0]
+    expected = [20_000 * float(weights[i] / weights.sum()) for i in seen]
+    assert chisquare([draws[i] for i in seen], expected).pvalue > 1e-3
+    skewed = Counter(sample(torch.tensor([1.0, 1.0]), g) for _ in range(2_000))  # a fair coin is fair
+    assert 850 < skewed[0] < 1150
+    again = [torch.Generator().manual_seed(7) for _ in range(2)]
+    assert [sample(weights, again[0]) for _ in range(50)] == [sample(weights, again[1]) for _ in range(50)]
+    from lossless.decoding import sampling
+
+    for bad in ([0.5, float("nan")], [0.0, 0.0], [1.0, -0.5], [1.0, float("inf")]):
+        with pytest.raises(RuntimeError, match="cannot sample"):
+            sample(torch.tensor(bad), g)
+    monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
+    assert sample(weights, g) == 7  # the whole sum: the last token with a chance, not the zero after it
+
+
 # ------------------------------------------------------------------------------------ sampling options
 @pytest.mark.parametrize("mode", ["ar", "orthrus"])
 @pytest.mark.parametrize("K", [2, 4, 8])

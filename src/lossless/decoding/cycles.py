@@ -15,6 +15,11 @@ steps (VDPBF16PS on 2 Intel vCPUs), even the 8-node tree is AR's speed. So the d
   `cache_dir()/cycles`; `lossless costs --remeasure` measures again. A long context makes every forward dearer and
   the many-row ones most (each row reads the whole cache): on machine D a 9-row verify cost 1.15 steps after 100
   tokens and 1.8 after 6,000, where the best cycle predicted 0.98x AR in that measurement;
+- a **sampled** request's default (`sampling_choice`) is the chain, which gives way to AR for the rest of the
+  request once, after FALLBACK_CYCLES cycles, the tokens it commits per cycle fall below what a chain cycle costs
+  in steps on this CPU (times SAMPLING_MARGIN): how many drafts sampling accepts depends on the temperature and
+  the text, so the request's own acceptance decides, not a profile. On machine D at temperature 0.7 the chain ran
+  at 0.85x AR without it;
 - the **choice** (`choose`), for a request's context (its prompt's length): each candidate's predicted speed-up
   over AR is its tokens times a step's cost over the sum of its forwards' costs (row counts between the measured
   ones interpolated, contexts between and past the two measured ones linearly); the best one runs if it
@@ -48,9 +53,13 @@ COST_ROWS = (1, 5, 9, 13, 17, 24, 32, 40)  # verify rows whose cost is measured;
 # within 3-6% of decoding's own (optimistic), and a profile's prompt mix is not every user's (the chat prompts
 # commit fewer tokens per cycle than the suite's copy-heavy domains)
 MARGIN = 1.15
+# a sampled request's chain runs this many cycles before its tokens per cycle may send it to AR, and goes on while
+# they predict at least SAMPLING_MARGIN x AR (the predictions came within 3-6% of decoding's own, optimistic)
+FALLBACK_CYCLES = 8
+SAMPLING_MARGIN = 1.05
 PROFILE_FILE = "cycles.json"
 PROFILE_VERSION = 1
-COSTS_VERSION = 3
+COSTS_VERSION = 4  # 4: the bookkeeping of sampled AR steps and chain cycles too
 LONG_CONTEXT = 4096  # the long prompt the costs are measured after too (or the model's longest that fits)
 SHOWN_CONTEXTS = (500, 1000, 2000, 4000, 8000)  # the prompt lengths `lossless costs` says the default for
 CYCLE_ENV = "LOSSLESS_CYCLE"  # "fixed": the fixed defaults (tree DEFAULT_TREE, lookup DEFAULT_LOOKUP), no measuring
@@ -73,10 +82,12 @@ class Choice:
     lookup: int
     why: str
     predicted: dict  # {candidate label: predicted speed-up over AR}; empty when nothing was predicted
+    ar_below: float = 0.0  # a sampled request's chain: tokens per cycle under which it gives way to AR (0: never)
 
     def to_dict(self) -> dict:
-        return {"mode": self.mode, "tree": self.tree, "lookup": self.lookup, "why": self.why,
-                "predicted": dict(self.predicted)}
+        out = {"mode": self.mode, "tree": self.tree, "lookup": self.lookup, "why": self.why,
+               "predicted": dict(self.predicted)}
+        return {**out, "ar_below": self.ar_below} if self.ar_below else out
 
 
 def fixed_choice(why: str) -> Choice:
@@ -148,6 +159,23 @@ def choose(profile: dict, costs: dict, margin: float = MARGIN, context: int | No
     return Choice("orthrus", int(best["tree"]), int(best["lookup"]),
                   f"{name}: predicts {speedup:.2f}x AR on this CPU's costs ({steps}), the best of "
                   f"{len(predicted)} cycles", predicted)
+
+
+def sampling_choice(costs: dict | None, k: int, context: int | None = None) -> Choice:
+    """A sampled request's default: the chain of block size `k`, giving way to AR once its tokens per cycle (after
+    FALLBACK_CYCLES cycles) fall below the break-even these costs give after `context` cached positions (a draft
+    pass, a verify of k rows and a cycle's bookkeeping, in steps) times SAMPLING_MARGIN. No costs: the chain
+    alone."""
+    if costs is None:
+        return Choice("orthrus", 0, 0, "the chain (no forward costs measured here)", {})
+    costs = at_context(costs, context)
+    keep = costs.get("bookkeeping", {})
+    step = cost_at(costs, 1) + keep.get("ar sampled", keep.get("ar", 0.0))
+    even = (costs["draft"] + cost_at(costs, k) + keep.get("chain sampled", keep.get("chain", 0.0))) / step
+    below = round(even * SAMPLING_MARGIN, 3)
+    return Choice("orthrus", 0, 0, f"the chain, giving way to AR if after {FALLBACK_CYCLES} cycles it commits fewer "
+                                   f"than {below:.2f} tokens a cycle (a cycle costs {even:.2f} steps on this CPU's "
+                                   f"costs: {_cost_words(costs)})", {}, below)
 
 
 def _cost_words(costs: dict) -> str:
@@ -336,9 +364,11 @@ def measure_costs(model, rounds: int = 12, cache_len: int = 100, decode_tokens: 
     positions (or the most the model's positions leave room for; none where that is under twice `cache_len`), in
     `"long"`; and the bookkeeping of a decode cycle outside its forwards (accepting, committing, building the tree,
     moving the accepted path's cache rows), from `decode_tokens`-token decodes of AR, the chain and the 32-node
-    tree (the least of two)."""
+    tree (the least of two), and of AR and the chain sampling at temperature 1 (each processed distribution,
+    rejection sampling)."""
     from . import kernels
     from .loop import DecodeConfig, decode
+    from .sampling import SamplingConfig
 
     vocab = int(model.config.vocab_size)
     long_len = min(long_len, model.max_positions - max(COST_ROWS) - model.k - 2)
@@ -350,12 +380,15 @@ def measure_costs(model, rounds: int = 12, cache_len: int = 100, decode_tokens: 
         if long_len >= 2 * cache_len:  # half the rounds: each forward there is dearer, and the times steadier
             long = {"cache_len": long_len, **_forward_costs(model, tokens[:long_len], max(1, rounds // 2))}
         bookkeeping = {}
-        for name, mode, tree in (("ar", "ar", 0), ("chain", "orthrus", 0), ("tree 32", "orthrus", 32)):
+        sampled = SamplingConfig(temperature=1.0, seed=0)
+        for name, mode, tree in (("ar", "ar", 0), ("chain", "orthrus", 0), ("tree 32", "orthrus", 32),
+                                 ("ar sampled", "ar", 0), ("chain sampled", "orthrus", 0)):
             per_cycle = []
             for _ in range(2):
                 with _Watching(model) as watch:
-                    state = decode(model, prompt, mode, DecodeConfig(max_new_tokens=decode_tokens, tree=tree,
-                                                                     eos_ids=(-1,)))
+                    cfg = DecodeConfig(max_new_tokens=decode_tokens, tree=tree, eos_ids=(-1,),
+                                       sampling=sampled if name.endswith("sampled") else SamplingConfig())
+                    state = decode(model, prompt, mode, cfg)
                 per_cycle.append(max(state.stats.seconds - watch.seconds, 0.0) / max(state.stats.steps, 1))
             bookkeeping[name] = round(1000 * min(per_cycle), 3)
     costs = {"version": COSTS_VERSION, "key": costs_key(model), "cpu": kernels.cpu_model(),
@@ -428,6 +461,14 @@ def default_inputs(model, remeasure: bool = False) -> Choice | tuple[dict, dict]
         return fixed_choice(f"{label(DEFAULT_TREE, DEFAULT_LOOKUP)}: the fixed default (no cycle profile for this "
                             f"head; `lossless costs --profile` records one)")
     return profile, cached_costs(model, remeasure)
+
+
+def sampling_inputs(model, remeasure: bool = False) -> dict | None:
+    """The costs a sampled request's default is chosen from, or None where none are measured (as for
+    `default_inputs`: `LOSSLESS_CYCLE=fixed`, a device other than the CPU)."""
+    if os.environ.get(CYCLE_ENV, "").strip() == "fixed" or model.device.type != "cpu":
+        return None
+    return cached_costs(model, remeasure)
 
 
 def default_profile_prompts(per_domain: int = 2, heldout: int = 12) -> list[str]:

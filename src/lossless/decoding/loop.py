@@ -149,6 +149,9 @@ class DecodeConfig:
     groups: int | None = None  # fused: draft groups per forward, for acceptance counts 0..groups-1 (None = all)
     tree: int = 0  # two-pass, greedy: verify a tree of this many draft candidates (0 = the chain of top drafts)
     lookup: int = 0  # greedy, either cycle: verify up to this many tokens copied from earlier context (0 = none)
+    # orthrus: after cycles.FALLBACK_CYCLES cycles, AR for the rest of the request once the tokens committed per
+    # cycle so far fall below this (0: never; a sampled request's default, from this CPU's costs)
+    ar_below: float = 0.0
     # end after the cycle that commits this many tokens (None = never), every forward as with max_new_tokens alone:
     # a decode cut short this way is the start of the full decode, to the bit (a smaller max_new_tokens drafts less)
     stop_after: int | None = None
@@ -161,6 +164,7 @@ class DecodeStats:
     new_tokens: int = 0
     seconds: float = 0.0
     accepted: list[int] = field(default_factory=list)  # drafts accepted per orthrus cycle
+    ar_from: int | None = None  # tokens generated when an orthrus request gave way to AR (`ar_below`), if it did
 
     @property
     def tokens_per_step(self) -> float:
@@ -185,6 +189,7 @@ class DecodeStats:
             "tokens_per_second": round(self.tokens_per_second, 3),
             "seconds": round(self.seconds, 4),
             "accepted": list(self.accepted),
+            **({"ar_from": self.ar_from} if self.ar_from is not None else {}),
         }
 
 
@@ -504,6 +509,15 @@ def fused_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: 
 
 
 # --------------------------------------------------------------------------------------------- the loop
+def gives_way(state: DecodeState, cfg: DecodeConfig) -> bool:
+    """Whether an orthrus request goes on as AR: it has run FALLBACK_CYCLES cycles and committed fewer than
+    `cfg.ar_below` tokens per cycle (the prefill's token aside)."""
+    from .cycles import FALLBACK_CYCLES
+
+    steps = state.stats.steps
+    return cfg.ar_below > 0 and steps >= FALLBACK_CYCLES and (len(state.generated) - 1) / steps < cfg.ar_below
+
+
 def _stopping_after(n: int, stop: Callable[[DecodeState], bool] | None) -> Callable[[DecodeState], bool]:
     return lambda state: len(state.generated) >= n or (stop is not None and stop(state))
 
@@ -535,6 +549,8 @@ def decode(model: DecodingModel, prompt_ids: list[int], mode: str = "orthrus", c
     if stop is not None and state.finished is None and stop(state):
         state.finished = "stop"
     while state.finished is None:
+        if mode == "orthrus" and gives_way(state, cfg):
+            mode, state.stats.ar_from = "ar", len(state.generated)
         if mode == "ar":
             new = ar_cycle(model, state, cfg, generator)
         elif cfg.cycle == "fused":

@@ -65,6 +65,7 @@ class OrthrusLM(nn.Module):
         self.head_digest = headfile.UNTRAINED  # identity of the loaded head (see head.head_digest)
         self.head_dir: Path | None = None  # the directory the head was loaded from (its cycle profile: `cycles`)
         self._choice = None  # (what it depends on, `cycles.default_inputs`) of `default_choice`
+        self._sampling_costs = None  # (what they depend on, `cycles.sampling_inputs`) of `sampling_choice`
         self.eval()
 
     # ----------------------------------------------------------------------------------------- identity
@@ -380,6 +381,17 @@ class OrthrusLM(nn.Module):
         inputs = self._choice[1]
         return inputs if isinstance(inputs, cycles.Choice) else cycles.choose(*inputs, context=context)
 
+    def sampling_choice(self, remeasure: bool = False, context: int | None = None):
+        """What a sampled orthrus request with no cycle of its own runs after `context` positions: the chain,
+        giving way to AR where its own acceptance does not pay for its cycles on this CPU (`cycles.sampling_choice`,
+        from costs kept per kernels and thread count)."""
+        from . import cycles
+
+        key = (cycles.costs_key(self), os.environ.get(cycles.CYCLE_ENV), str(self.device))
+        if remeasure or self._sampling_costs is None or self._sampling_costs[0] != key:
+            self._sampling_costs = (key, cycles.sampling_inputs(self, remeasure))
+        return cycles.sampling_choice(self._sampling_costs[1], self.k, context=context)
+
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head over draft rows: hidden [m, d] -> logits [m, V]."""
         return self.backbone.lm_head(hidden)
@@ -411,13 +423,14 @@ class OrthrusLM(nn.Module):
                                                                                           chat_template)
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         choice = None
-        if (mode == "orthrus" and cycle == "two-pass" and sampling.greedy and tree is None and lookup is None
-                and k is None and self.head_digest != headfile.UNTRAINED):
-            choice = self.default_choice(context=len(prompt_ids))  # from this CPU's measured costs (`cycles`)
+        if (mode == "orthrus" and cycle == "two-pass" and tree is None and lookup is None and k is None
+                and self.head_digest != headfile.UNTRAINED):  # from this CPU's measured costs (`cycles`)
+            choice = (self.default_choice(context=len(prompt_ids)) if sampling.greedy
+                      else self.sampling_choice(context=len(prompt_ids)))
             mode, tree, lookup = choice.mode, choice.tree, choice.lookup
         tree, lookup = auto_cycle(mode, cycle, sampling.greedy, self.head_digest != headfile.UNTRAINED, tree, lookup)
         cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=k, cycle=cycle, groups=groups, tree=tree, lookup=lookup,
-                           sampling=sampling)
+                           sampling=sampling, ar_below=choice.ar_below if choice is not None else 0.0)
         stream = StreamDecoder(self.tokenizer) if (on_text and self.tokenizer is not None) else None
 
         def _on_tokens(ids):
