@@ -17,7 +17,9 @@ The protocol (so that a ratio means something on a noisy machine):
   reports its time per token against the same method on the first (`slowdown_vs_<kernel>`, paired, with its
   interval), and on how many prompts its tokens equal `ar` on the same kernel;
 - the same paired ratio to `ar` on the same kernels (`vs_ar`) and to `llama_cpp` (`vs_llama_cpp`) where they ran;
-  the JSON keeps each method's per-prompt tokens/s, so any other ratio can be computed after.
+  the JSON keeps each method's per-prompt tokens/s, so any other ratio can be computed after;
+- `--temperature T` samples instead (our methods only: the chain and fused cycles and AR, and `default`, which
+  is then what a sampled `lossless generate` runs); every run of a prompt draws with the same seed.
 Tokens per step = tokens committed per decode cycle after the prefill (1.0 for plain AR); tokens per forward
 counts every model forward, prefill included. The last stdout line is one JSON object.
 
@@ -44,6 +46,7 @@ from lossless.training.distill import read_prompts
 from lossless.decoding.head import UNTRAINED
 from lossless.errors import LosslessError
 from lossless.jsonio import read_jsonl
+from lossless.decoding.sampling import SamplingConfig
 from lossless.names import DEFAULT_LOOKUP, DEFAULT_TREE, EXACT, positive_int
 from lossless.stats import bootstrap_mean
 from lossless.text import encode_prompt
@@ -81,8 +84,12 @@ def run_hf(model, ids, max_new_tokens, counter, prompt_lookup=False):
             "steps": max(forwards - 1, 1), "accepted": []}
 
 
-def run_ours(model, ids, max_new_tokens, mode, k, cycle="two-pass", groups=None, tree=0, lookup=0):
-    cfg = lossless.DecodeConfig(max_new_tokens=max_new_tokens, k=k, cycle=cycle, groups=groups, tree=tree, lookup=lookup)
+SAMPLING = SamplingConfig()  # greedy, or `--temperature`'s
+
+
+def run_ours(model, ids, max_new_tokens, mode, k, cycle="two-pass", groups=None, tree=0, lookup=0, ar_below=0.0):
+    cfg = lossless.DecodeConfig(max_new_tokens=max_new_tokens, k=k, cycle=cycle, groups=groups, tree=tree, lookup=lookup,
+                                sampling=SAMPLING, ar_below=ar_below)
     state = lossless.decode(model, ids, mode, cfg)
     s = state.stats
     return {"tokens": state.generated, "seconds": s.seconds, "forwards": s.forwards, "steps": max(s.steps, 1),
@@ -137,10 +144,17 @@ def run_variant(model, kind, setting, ids, max_new_tokens, args, trees, fused, c
         return run_ours(model, ids, max_new_tokens, "orthrus", setting[0], "fused", setting[1])
     if kind == "default":  # what `lossless generate` runs with no cycle options: chosen from this CPU's costs
         if model.head_digest == UNTRAINED:  # as `generate`: the chain and lookup
-            return run_ours(model, ids, max_new_tokens, "orthrus", None, tree=0, lookup=DEFAULT_LOOKUP)
-        choice = model.default_choice(context=len(ids))  # as `generate` chooses for its prompt's length
-        return run_ours(model, ids, max_new_tokens, choice.mode, None, tree=choice.tree, lookup=choice.lookup)
+            return run_ours(model, ids, max_new_tokens, "orthrus", None, tree=0,
+                            lookup=DEFAULT_LOOKUP if SAMPLING.greedy else 0)
+        choice = choice_of(model, len(ids))  # as `generate` chooses for its prompt's length
+        return run_ours(model, ids, max_new_tokens, choice.mode, None, tree=choice.tree, lookup=choice.lookup,
+                        ar_below=choice.ar_below)
     return run_ours(model, ids, max_new_tokens, kind, args.k)
+
+
+def choice_of(model, context: int):
+    """What `generate` runs with no cycle options after `context` tokens: greedy's choice, or sampling's."""
+    return model.default_choice(context=context) if SAMPLING.greedy else model.sampling_choice(context=context)
 
 
 def paired(num: list[float], den: list[float]) -> dict:
@@ -176,8 +190,12 @@ def main(argv=None) -> int:
     ap.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP,
                     help="tokens of the lookup branch (orthrus_lookup, orthrus_tree_lookup, orthrus_fused_lookup)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature (0: greedy); our methods only, each prompt's runs with one seed")
     args = ap.parse_args(argv)
+    global SAMPLING
     try:
+        SAMPLING = SamplingConfig(temperature=args.temperature)
         if args.threads:
             torch.set_num_threads(args.threads)
         if args.repeats < 1:
@@ -186,6 +204,11 @@ def main(argv=None) -> int:
         bad = [m for m in methods if m not in METHODS]
         if bad:
             raise LosslessError(f"unknown method {bad[0]}: choose from {', '.join(METHODS)}")
+        sampled_only = {"hf_generate", "prompt_lookup", "llama_cpp", "orthrus_lookup", "orthrus_tree",
+                        "orthrus_tree_lookup", "orthrus_fused_lookup"} & set(methods)
+        if args.temperature and sampled_only:
+            raise LosslessError(f"--temperature: {', '.join(sorted(sampled_only))} decode greedily; run ar, orthrus, "
+                                f"orthrus_fused and default")
         if "llama_cpp" in methods and not peers.available():
             raise LosslessError("llama_cpp: llama-cpp-python is not installed; pip install .[peers] (see docs/speed.md)")
         fused = [parse_fused(f) for f in args.fused.split(",") if f]
@@ -263,7 +286,7 @@ def main(argv=None) -> int:
                 ratio = paired(tps[name], tps[other])
                 summary[name][key], summary[name][f"{key}_ci95"] = ratio["mean"], ratio["ci95"]
         summary[name]["per_prompt_tokens_per_second"] = [round(x, 2) for x in tps[name]]
-        if ar_name in first and kind not in HF_METHODS:
+        if ar_name in first and kind not in HF_METHODS and SAMPLING.greedy:  # (sampled tokens differ by method)
             summary[name]["prompts_equal_to_ar"] = sum(r["tokens"] == a["tokens"] for r, a in zip(rs, first[ar_name]))
         if hist[name]:
             summary[name]["acceptance_histogram"] = {str(a): hist[name][a] for a in sorted(hist[name])}
@@ -272,7 +295,8 @@ def main(argv=None) -> int:
             slow = paired(tps[base], tps[name])
             summary[name][f"slowdown_vs_{kernels[0]}"], summary[name]["slowdown_ci95"] = slow["mean"], slow["ci95"]
     print(f"model={args.model} dtype={args.dtype} attn={args.attn} prompts={len(prompts)} max_new_tokens={args.max_new_tokens} "
-          f"repeats={args.repeats} seed={args.seed} threads={torch.get_num_threads()} head_k={models['stock'].k}")
+          f"repeats={args.repeats} seed={args.seed} threads={torch.get_num_threads()} head_k={models['stock'].k}"
+          + (f" temperature={args.temperature}" if args.temperature else ""))
     for a, m in models.items():
         if a == EXACT and m.exact_ops:
             print(f"{a} kernels: {'; '.join(m.exact_ops)}")
@@ -280,7 +304,7 @@ def main(argv=None) -> int:
         if kind == "default" and models[kernel].head_digest != UNTRAINED:  # chosen for each prompt's length
             chosen = {}
             for ids in encoded:
-                choice = models[kernel].default_choice(context=len(ids))
+                choice = choice_of(models[kernel], len(ids))
                 chosen.setdefault(choice.why, choice)
             summary[name]["choice"] = next(iter(chosen.values())).to_dict()
             summary[name]["choices"] = [c.to_dict() for c in chosen.values()]

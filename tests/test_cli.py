@@ -299,6 +299,10 @@ def test_costs_profiles_a_head_measures_the_cpu_and_generate_runs_what_they_choo
     text = capsys.readouterr().out
     assert rc == 0 and "verify 17 rows" in text and f"default: {out['choice']['why']}" in text
     assert text.count("x") >= 15  # a predicted speed-up per candidate
+    assert out["sampled"]["ar_below"] > 1 and f"sampled requests (--temperature): {out['sampled']['why']}" in text
+    sampled = _generate_json(capsys, "--model", dirs["model"], "--head", head, "--max-new-tokens", "6",
+                             "--temperature", "0.8", PROMPT)
+    assert sampled["config"]["choice"] == out["sampled"]  # a sampled request's default, from the same costs
 
 
 def test_auto_picks_exact_kernels_and_bf16_only_where_the_cpu_multiplies_bf16_natively(monkeypatch):

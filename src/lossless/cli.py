@@ -506,9 +506,11 @@ def cmd_costs(args) -> int:
     # the default by the prompt's length: past the short context the measured costs grow with it
     contexts = [n for n in cycles.SHOWN_CONTEXTS if n < model.max_positions] if costs.get("long") else []
     by_context = {n: model.default_choice(context=n) for n in contexts} if model.head_digest != UNTRAINED else {}
+    sampled = model.sampling_choice() if model.head_digest != UNTRAINED else None  # a sampled request's default
     if args.json:
         print(json.dumps({"costs": costs, "choice": choice.to_dict(), "profile": str(cycles.profile_path(model)),
-                          "by_context": {str(n): c.to_dict() for n, c in by_context.items()}}))
+                          "by_context": {str(n): c.to_dict() for n, c in by_context.items()},
+                          "sampled": sampled.to_dict() if sampled is not None else None}))
         return 0
     step, long = cycles.cost_at(costs, 1), costs.get("long")
     print(f"forward costs on {costs['cpu']} ({costs['variant']}, {costs['threads']} threads, {model.dtype_name} "
@@ -525,7 +527,8 @@ def cmd_costs(args) -> int:
     keep = costs.get("bookkeeping", {})
     if keep:
         print(f"bookkeeping outside the forwards: {keep['ar']:.2f} ms per AR step, {keep['chain']:.2f} ms per chain "
-              f"cycle, {keep['tree 32']:.2f} ms per 32-node tree cycle")
+              f"cycle, {keep['tree 32']:.2f} ms per 32-node tree cycle; sampling, {keep.get('ar sampled', 0):.2f} ms "
+              f"per AR step and {keep.get('chain sampled', 0):.2f} ms per chain cycle")
     if choice.predicted:
         print("predicted speed-up over AR (the head's cycle profile at these costs):")
         for name, x in sorted(choice.predicted.items(), key=lambda kv: -kv[1]):
@@ -538,6 +541,8 @@ def cmd_costs(args) -> int:
             best = max(c.predicted.values(), default=None)
             said = f" (the best cycle predicts {best:.2f}x AR)" if best is not None else ""
             print(f"  after {n:>6,} tokens: {cycles.label(c.tree, c.lookup) if c.mode == 'orthrus' else 'AR'}{said}")
+    if sampled is not None:
+        print(f"sampled requests (--temperature): {sampled.why}")
     return 0
 
 
