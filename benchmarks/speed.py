@@ -146,15 +146,10 @@ def run_variant(model, kind, setting, ids, max_new_tokens, args, trees, fused, c
         if model.head_digest == UNTRAINED:  # as `generate`: the chain and lookup
             return run_ours(model, ids, max_new_tokens, "orthrus", None, tree=0,
                             lookup=DEFAULT_LOOKUP if SAMPLING.greedy else 0)
-        choice = choice_of(model, len(ids))  # as `generate` chooses for its prompt's length
+        choice = model.choice_for(SAMPLING.greedy, context=len(ids))  # as `generate` chooses for its prompt's length
         return run_ours(model, ids, max_new_tokens, choice.mode, None, tree=choice.tree, lookup=choice.lookup,
                         ar_below=choice.ar_below)
     return run_ours(model, ids, max_new_tokens, kind, args.k)
-
-
-def choice_of(model, context: int):
-    """What `generate` runs with no cycle options after `context` tokens: greedy's choice, or sampling's."""
-    return model.default_choice(context=context) if SAMPLING.greedy else model.sampling_choice(context=context)
 
 
 def paired(num: list[float], den: list[float]) -> dict:
@@ -204,10 +199,10 @@ def main(argv=None) -> int:
         bad = [m for m in methods if m not in METHODS]
         if bad:
             raise LosslessError(f"unknown method {bad[0]}: choose from {', '.join(METHODS)}")
-        sampled_only = {"hf_generate", "prompt_lookup", "llama_cpp", "orthrus_lookup", "orthrus_tree",
-                        "orthrus_tree_lookup", "orthrus_fused_lookup"} & set(methods)
-        if args.temperature and sampled_only:
-            raise LosslessError(f"--temperature: {', '.join(sorted(sampled_only))} decode greedily; run ar, orthrus, "
+        greedy_only = {"hf_generate", "prompt_lookup", "llama_cpp", "orthrus_lookup", "orthrus_tree",
+                       "orthrus_tree_lookup", "orthrus_fused_lookup"} & set(methods)
+        if args.temperature and greedy_only:
+            raise LosslessError(f"--temperature: {', '.join(sorted(greedy_only))} decode greedily; run ar, orthrus, "
                                 f"orthrus_fused and default")
         if "llama_cpp" in methods and not peers.available():
             raise LosslessError("llama_cpp: llama-cpp-python is not installed; pip install .[peers] (see docs/speed.md)")
@@ -304,7 +299,7 @@ def main(argv=None) -> int:
         if kind == "default" and models[kernel].head_digest != UNTRAINED:  # chosen for each prompt's length
             chosen = {}
             for ids in encoded:
-                choice = choice_of(models[kernel], len(ids))
+                choice = models[kernel].choice_for(SAMPLING.greedy, context=len(ids))
                 chosen.setdefault(choice.why, choice)
             summary[name]["choice"] = next(iter(chosen.values())).to_dict()
             summary[name]["choices"] = [c.to_dict() for c in chosen.values()]

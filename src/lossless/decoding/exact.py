@@ -398,7 +398,7 @@ class FusedStackMixin:
         cos, sin = self.rotary_emb(embeds, position_ids=position_ids)
         if views:  # verify rows as a verify pass sees, then the groups under their mask (all: no mask)
             visible = torch.zeros(q, n + q, dtype=torch.bool, device=embeds.device)
-            visible[:v, : n + v] = _visibility(attention_mask, v, n + v, embeds.device)
+            visible[:v, : n + v] = _visibility(draft.verify_mask, v, n + v, embeds.device)  # as the module path
             visible[v:] = _visibility(draft.context_mask, q - v, n + q, embeds.device, causal=False)
         elif draft is not None:  # the draft view: the cache and its own rows, all visible, the cache left as it was
             visible = torch.ones(q, n + q, dtype=torch.bool, device=embeds.device)
@@ -427,9 +427,9 @@ class FusedStackMixin:
         them: none (AR), or `rows_from`."""
         key = (draft, kernels.isa())
         held = self.__dict__.setdefault("_lossless_stacks", {}).get(key)
-        if held is None or not held.current(len(self.layers)):
+        if held is None or not held.current(self.layers):
             plans = [layer._lossless_current_plan(draft) for layer in self.layers]
-            held = self._lossless_stacks[key] = _HeldStack(plans)
+            held = self._lossless_stacks[key] = _HeldStack(list(self.layers), plans)
         held.mark_rows(rows_from if draft else None)
         return held.stack
 
@@ -438,21 +438,23 @@ _VERSION = operator.attrgetter("_version")
 
 
 class _HeldStack:
-    """A kernel stack made from every layer's plan, with what it was made from: each weight's place (its module's
-    parameter dict and name), the tensor found there and its version; and the layers' draft-row markers."""
+    """A kernel stack made from every layer's plan, with what it was made from: the layers, each weight's place (its
+    module's parameter dict and name), the tensor found there and its version; and the layers' draft-row markers."""
 
-    def __init__(self, plans: list[tuple]):
+    def __init__(self, layers: list, plans: list[tuple]):
         self.stack = kernels.stack()
         for _, _, _, scaling, args_in, args_out in plans:
             self.stack.add(*args_in, scaling, *args_out)
         stamps = [stamp for plan in plans for stamp in plan[0]]
         self.places, self.names = [d for d, *_ in stamps], [name for _, name, *_ in stamps]
         self.tensors, self.versions = [t for *_, t, _ in stamps], [v for *_, v in stamps]
-        self.layers, self.rows = len(plans), [rows for _, rows, *_ in plans if rows is not None]
+        self.layers, self.rows = layers, [rows for _, rows, *_ in plans if rows is not None]
 
-    def current(self, layers: int) -> bool:
-        """Whether every weight is still the tensor the stack was made from, at the same version."""
-        return (layers == self.layers and all(map(operator.is_, map(dict.get, self.places, self.names), self.tensors))
+    def current(self, layers) -> bool:
+        """Whether the stack's layers are still these, each weight still the tensor it was made from, at the same
+        version."""
+        return (len(layers) == len(self.layers) and all(map(operator.is_, layers, self.layers))
+                and all(map(operator.is_, map(dict.get, self.places, self.names), self.tensors))
                 and list(map(_VERSION, self.tensors)) == self.versions)
 
     def mark_rows(self, start: int | None) -> None:

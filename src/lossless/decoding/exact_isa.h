@@ -2607,8 +2607,9 @@ at::Tensor stack_forward(const Stack& s, const Stack* draft, int64_t verify, con
       for (size_t i = a; i < b; ++i) sum += p[i].size(0);
       return sum;
     };
-    for (const int64_t step : {panels(L.packed_in, 0, 3) + panels(D.packed_in, 0, 3),
-                               panels(L.packed_out, 0, 1) + panels(D.packed_out, 0, 1), panels(L.packed_out, 1, 3),
+    const int64_t twice = draft ? 1 : 0;  // a fused forward's q/k/v and o steps take the draft view's panels too
+    for (const int64_t step : {panels(L.packed_in, 0, 3) + twice * panels(D.packed_in, 0, 3),
+                               panels(L.packed_out, 0, 1) + twice * panels(D.packed_out, 0, 1), panels(L.packed_out, 1, 3),
                                panels(L.packed_out, 3, 4)})  // a claim's word holds 24 bits of panels
       TORCH_CHECK(step < (int64_t{1} << 24), "Stack.forward: a linear step of 2^24 panels or more");
   }

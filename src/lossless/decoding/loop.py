@@ -374,7 +374,7 @@ def accept_sampling(drafts: list[int], q: torch.Tensor, p: torch.Tensor, generat
         residual = (p[j] - q[j]).clamp(min=0)
         if float(residual.sum()) <= 0:  # p == q numerically: any draw from p is exact
             residual = p[j]
-        return j, sample(residual / residual.sum(), generator)
+        return j, sample(residual, generator)  # (weights: `sample` draws by their share of the sum)
     return len(drafts), sample(p[len(drafts)], generator)
 
 

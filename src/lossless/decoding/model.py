@@ -81,13 +81,17 @@ class OrthrusLM(nn.Module):
             return emb
         # where one was found last time (every forward asks, and a search over the parameters costs about 0.1 ms),
         # if it still holds its values: a frozen one where there is one (a norm's: never released nor replaced)
-        module, name = self.__dict__.get("_held_at", (None, None))
-        held = module._parameters.get(name) if module is not None else None
+        # (looked up by its module's path, so a module put in that place answers, not one taken out of the model)
+        path, name = self.__dict__.get("_held_at", (None, None))
+        try:
+            held = self.backbone.get_submodule(path)._parameters.get(name) if path is not None else None
+        except AttributeError:
+            held = None
         if held is None or held.is_meta or self.__dict__.get("_held_in") is not self.backbone:
-            found = [(m, n, p) for m in self.backbone.modules() for n, p in m._parameters.items()
+            found = [(path, n, p) for path, m in self.backbone.named_modules() for n, p in m._parameters.items()
                      if p is not None and not p.is_meta]
-            module, name, held = min(found, key=lambda f: f[2].requires_grad)  # the first frozen one, else the first
-            self.__dict__["_held_at"], self.__dict__["_held_in"] = (module, name), self.backbone
+            path, name, held = min(found, key=lambda f: f[2].requires_grad)  # the first frozen one, else the first
+            self.__dict__["_held_at"], self.__dict__["_held_in"] = (path, name), self.backbone
         return held
 
     @property
@@ -381,6 +385,11 @@ class OrthrusLM(nn.Module):
         inputs = self._choice[1]
         return inputs if isinstance(inputs, cycles.Choice) else cycles.choose(*inputs, context=context)
 
+    def choice_for(self, greedy: bool, context: int | None = None):
+        """What an orthrus request with no cycle of its own runs after `context` positions: `default_choice` if it
+        is greedy, else `sampling_choice`."""
+        return self.default_choice(context=context) if greedy else self.sampling_choice(context=context)
+
     def sampling_choice(self, remeasure: bool = False, context: int | None = None):
         """What a sampled orthrus request with no cycle of its own runs after `context` positions: the chain,
         giving way to AR where its own acceptance does not pay for its cycles on this CPU (`cycles.sampling_choice`,
@@ -408,8 +417,9 @@ class OrthrusLM(nn.Module):
         `lookup` > 0 (greedy) adds prompt lookup: up to that many tokens copied from earlier context. Left at
         None (with `k`) a greedy two-pass request with a trained head runs what this CPU's measured costs predict
         fastest after its prompt (`default_choice`: a tree and lookup, or AR where no cycle pays, as after a
-        long prompt; `config["choice"]` says which and why); otherwise None takes the fixed defaults
-        (`loop.auto_cycle`). 0 turns either off.
+        long prompt; `config["choice"]` says which and why); a sampled one the chain, going on as AR where its
+        own acceptance does not pay on this CPU's costs (`sampling_choice`); otherwise None takes the fixed
+        defaults (`loop.auto_cycle`). 0 turns either off.
 
         on_text(str) receives text as tokens are committed; on_tokens(list[int]) the committed ids; stop(), asked
         after every cycle, ends decoding early when it returns True (finish reason "stop"). `keep_cache` returns
@@ -425,8 +435,7 @@ class OrthrusLM(nn.Module):
         choice = None
         if (mode == "orthrus" and cycle == "two-pass" and tree is None and lookup is None and k is None
                 and self.head_digest != headfile.UNTRAINED):  # from this CPU's measured costs (`cycles`)
-            choice = (self.default_choice(context=len(prompt_ids)) if sampling.greedy
-                      else self.sampling_choice(context=len(prompt_ids)))
+            choice = self.choice_for(sampling.greedy, context=len(prompt_ids))
             mode, tree, lookup = choice.mode, choice.tree, choice.lookup
         tree, lookup = auto_cycle(mode, cycle, sampling.greedy, self.head_digest != headfile.UNTRAINED, tree, lookup)
         cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=k, cycle=cycle, groups=groups, tree=tree, lookup=lookup,
