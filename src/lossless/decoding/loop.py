@@ -27,6 +27,7 @@ import torch
 
 from ..errors import LosslessError
 from ..names import DEFAULT_LOOKUP, DEFAULT_TREE, check_cycle, check_mode, check_tree
+from .cycles import FALLBACK_CYCLES
 from .sampling import SamplingConfig, argmax, sample
 
 
@@ -512,8 +513,6 @@ def fused_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: 
 def gives_way(state: DecodeState, cfg: DecodeConfig) -> bool:
     """Whether an orthrus request goes on as AR: it has run FALLBACK_CYCLES cycles and committed fewer than
     `cfg.ar_below` tokens per cycle (the prefill's token aside)."""
-    from .cycles import FALLBACK_CYCLES
-
     steps = state.stats.steps
     return cfg.ar_below > 0 and steps >= FALLBACK_CYCLES and (len(state.generated) - 1) / steps < cfg.ar_below
 

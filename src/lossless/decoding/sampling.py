@@ -74,7 +74,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     total = float(cdf[-1])
     if not 0 < total < float("inf") or bool((probs < 0).any()):  # NaN too: as torch.multinomial refuses them
         raise RuntimeError("cannot sample: the probabilities hold a NaN, an inf or a negative value, or sum to 0")
-    at = torch.rand((), dtype=torch.float64, generator=generator, device=probs.device) * cdf[-1]
+    at = torch.rand((), dtype=torch.float64, generator=generator, device=probs.device) * total
     token = int(torch.searchsorted(cdf, at, right=True))
     if token >= cdf.shape[0]:  # the draw rounded up to the whole sum: the last token that has a chance
         token = int(torch.nonzero(probs)[-1, 0])
