@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .cache import GrowingLayer
+from .cache import GrowingLayer, stack_room, stack_wrote
 from .mixins import swap_class
 from ..errors import LosslessError
 from ..names import EXACT
@@ -72,7 +72,7 @@ def _visibility(mask, q: int, n: int, device, causal: bool = True) -> torch.Tens
     """bool [q, n]: which keys each query row sees. No mask: causal (the q rows being the last q positions), or
     every key when not `causal`."""
     if mask is None:
-        if not causal:
+        if not causal or q == 1:  # (one row, the last position, sees every key)
             return torch.ones(q, n, dtype=torch.bool, device=device)
         return torch.arange(n, device=device)[None, :] <= torch.arange(n - q, n, device=device)[:, None]
     if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1:
@@ -228,13 +228,17 @@ class RotaryTableMixin:
         if _STOCK.get():
             return super().forward(x, position_ids, *args, **kwargs)
         tables = self.__dict__.setdefault("_lossless_tables", {})
-        need = int(position_ids.max()) + 1 if position_ids.numel() else 1
+        one = int(position_ids) if position_ids.numel() == 1 else None  # a decode step's one position
+        need = one + 1 if one is not None else int(position_ids.max()) + 1 if position_ids.numel() else 1
         key = (x.dtype, x.device)
         if key not in tables or tables[key][0].shape[0] < need:
             size = max(self._lossless_positions, 1 << max(need - 1, 1).bit_length())
             cos, sin = kernels.rotary_table(self._lossless_inv_freq, size, self._lossless_scaling)
             tables[key] = (cos.to(device=x.device, dtype=x.dtype), sin.to(device=x.device, dtype=x.dtype))
         cos, sin = tables[key]
+        if one is not None and one >= 0:  # its rows as views, [1, 1, d] (indexing would copy them)
+            return cos[one:one + 1].expand(position_ids.shape + cos.shape[1:]), \
+                sin[one:one + 1].expand(position_ids.shape + sin.shape[1:])
         return cos[position_ids], sin[position_ids]
 
 
@@ -377,7 +381,7 @@ class FusedStackMixin:
                 or (views and draft.context_mask is not None and draft.context_mask.dim() != 4)):
             return None
         layers = self.layers
-        if len(cache.layers) != len(layers) or not all(isinstance(layer, GrowingLayer) for layer in cache.layers):
+        if len(cache.layers) != len(layers):
             return None
         fits = (lambda layer: layer._lossless_view_fusable(draft, cache)) if views else \
             (lambda layer: layer._lossless_drafts_fused(draft, cache))
@@ -387,13 +391,14 @@ class FusedStackMixin:
         if embeds.shape[0] != 1 or position_ids.shape != (1, embeds.shape[1]):
             return None
         q, attn = embeds.shape[1], layers[0].self_attn
-        like = embeds.new_empty(1, self.config.num_key_value_heads, 0, attn.head_dim)
-        buffers = [layer.room(q, like) for layer in cache.layers]
-        if any(b is None for b in buffers):
+        like = lambda: embeds.new_empty(1, self.config.num_key_value_heads, 0, attn.head_dim)  # noqa: E731
+        steps = (attn.head_dim + 1) // 2 if embeds.element_size() == 2 else attn.head_dim
+        room = stack_room(cache.layers, q, like, steps)
+        if room is None:
             return None
-        n = cache.layers[0].keys.shape[2]
+        n, buffers, tiles = room
         v = draft.verify_rows if views else 0 if draft is not None else q  # the rows the cache keeps
-        if any(layer.keys.shape[2] != n for layer in cache.layers) or v > q:
+        if v > q:
             return None
         cos, sin = self.rotary_emb(embeds, position_ids=position_ids)
         if views:  # verify rows as a verify pass sees, then the groups under their mask (all: no mask)
@@ -404,18 +409,14 @@ class FusedStackMixin:
             visible = torch.ones(q, n + q, dtype=torch.bool, device=embeds.device)
         else:
             visible = _visibility(attention_mask, q, n + q, embeds.device)
-        steps = (attn.head_dim + 1) // 2 if embeds.element_size() == 2 else attn.head_dim
-        tiles = [layer.key_tiles(steps) for layer in cache.layers]
-        args = (embeds[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(), visible, [b[0] for b in buffers],
-                [b[1] for b in buffers], [t[0] for t in tiles], [t[1] for t in tiles], n)
+        args = (embeds[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(), visible, buffers[0], buffers[1],
+                tiles[0], tiles[1], n)
         if views and v < q:
             ar, drafts = self._lossless_stack(False), self._lossless_stack(True, rows_from=v)
             hidden = ar.forward_views(drafts, v, *args)
         else:  # (a fused forward without draft rows is a verify pass)
             hidden = self._lossless_stack(draft is not None and not views).forward(*args)
-        for layer in cache.layers:  # the tiles hold the cache's positions now (and draft rows past its end)
-            layer.extend(v)
-            layer.tiles_written(n + v)
+        stack_wrote(cache.layers, v, n + v)  # the tiles hold the cache's positions now (and draft rows past its end)
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden[None]), cache=cache)
@@ -447,7 +448,10 @@ class _HeldStack:
             self.stack.add(*args_in, scaling, *args_out)
         stamps = [stamp for plan in plans for stamp in plan[0]]
         self.places, self.names = [d for d, *_ in stamps], [name for _, name, *_ in stamps]
-        self.tensors, self.versions = [t for *_, t, _ in stamps], [v for *_, v in stamps]
+        self.tensors = [t for *_, t, _ in stamps]
+        # versions of the tensors that hold values (a released weight's meta placeholder holds none to change)
+        self.versioned = [t for *_, t, _ in stamps if not t.is_meta]
+        self.versions = [v for *_, t, v in stamps if not t.is_meta]
         self.layers, self.rows = layers, [rows for _, rows, *_ in plans if rows is not None]
 
     def current(self, layers) -> bool:
@@ -455,7 +459,7 @@ class _HeldStack:
         version."""
         return (len(layers) == len(self.layers) and all(map(operator.is_, layers, self.layers))
                 and all(map(operator.is_, map(dict.get, self.places, self.names), self.tensors))
-                and list(map(_VERSION, self.tensors)) == self.versions)
+                and list(map(_VERSION, self.versioned)) == self.versions)
 
     def mark_rows(self, start: int | None) -> None:
         for rows in self.rows:

@@ -34,6 +34,8 @@
 
 #include "exact_common.h"
 #include <torch/extension.h>
+#include <cstring>
+#include <string>
 
 // Each variant's entry points, declared (defined in its own file, exact_<variant>.cpp, its own translation unit)
 #if defined(LOSSLESS_X86)
@@ -103,8 +105,45 @@ std::string request_amx() {
 #endif
 }
 
+// Rows `ids` of the weight [n, k] that kernels.pack_weight packed, gathered from its panels (a copy: the same bits
+// as unpacking the weight and looking the rows up), ids in any shape -> [ids, k]. bf16 panels [p, kp/2, 32] hold
+// pair steps: lane l's pair of step s at 2l (low) and 2l + 1 (high), inputs 4q..4q+3 as (4q+2 low, 4q high) in step
+// 2q and (4q+3 low, 4q+1 high) in step 2q + 1; others [p, k, 16], input j of lane l at [j, l].
+static torch::Tensor embedding_rows(const torch::Tensor& packed, const torch::Tensor& ids, int64_t n, int64_t k) {
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == 16 * (packed.scalar_type() == torch::kBFloat16 ? 2 : 1),
+              "embedding_rows: packed panels expected");
+  auto flat = ids.reshape({-1}).to(torch::kLong).contiguous();
+  const int64_t m = flat.numel(),* id = flat.data_ptr<int64_t>(), panels = packed.size(0), steps = packed.size(1);
+  for (int64_t i = 0; i < m; ++i)
+    if (id[i] < 0 || id[i] >= n || id[i] / 16 >= panels)
+      throw pybind11::index_error("token ids must lie in 0.." + std::to_string(n - 1));
+  auto out = torch::empty({m, k}, packed.options());
+  if (packed.scalar_type() == torch::kBFloat16) {
+    TORCH_CHECK(2 * steps >= k, "embedding_rows: panels shorter than the rows");
+    const uint16_t* base = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+    uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+    for (int64_t i = 0; i < m; ++i) {
+      const uint16_t* lane = base + (id[i] / 16) * steps * 32 + (id[i] % 16) * 2;
+      for (int64_t j = 0; j < k; ++j)
+        dst[i * k + j] = lane[(2 * (j / 4) + (j & 1)) * 32 + ((j & 3) < 2 ? 1 : 0)];
+    }
+  } else {
+    TORCH_CHECK(steps >= k, "embedding_rows: panels shorter than the rows");
+    const int64_t size = packed.element_size();
+    const char* base = static_cast<const char*>(packed.data_ptr());
+    char* dst = static_cast<char*>(out.data_ptr());
+    for (int64_t i = 0; i < m; ++i) {
+      const char* lane = base + ((id[i] / 16) * steps * 16 + id[i] % 16) * size;
+      for (int64_t j = 0; j < k; ++j)
+        std::memcpy(dst + (i * k + j) * size, lane + j * 16 * size, size);
+    }
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("request_amx", &request_amx, "ask Linux for the AMX tile state: '' when granted, else why not");
+  m.def("embedding_rows", &embedding_rows, "rows of a packed weight gathered from its panels (the same bits)");
 #if defined(LOSSLESS_X86)
   LOSSLESS_DEF_VARIANT(m, amx);
   LOSSLESS_DEF_VARIANT(m, avx512bf16);

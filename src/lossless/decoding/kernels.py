@@ -431,13 +431,7 @@ def embedding_rows(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int) -> t
     """Rows `ids` (any shape) of the weight [n, k] that `pack_weight` packed, gathered from the panels: bit for
     bit `unpack_weight(packed, n, k)[ids]`, without unpacking the rest -> [*ids.shape, k]. An id outside 0..n-1
     raises IndexError, as an embedding's lookup does."""
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
-        raise IndexError(f"token ids must lie in 0..{n - 1}")
-    panel, lane = torch.div(ids, PANEL, rounding_mode="floor"), ids % PANEL
-    if packed.dtype == torch.bfloat16:  # [p, kp/2, 32]: lane l's pair of step s at 2l, 2l+1
-        rows = packed.view(packed.shape[0], packed.shape[1], PANEL, 2)[panel, :, lane]  # [*ids, kp/2, 2]
-        return _bf16_inputs(rows)[..., :k]
-    return packed[panel, :, lane][..., :k]  # [p, k, 16] -> [*ids, k]
+    return extension().embedding_rows(packed, ids, int(n), int(k)).reshape(*ids.shape, k)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -223,10 +223,10 @@ class OrthrusLM(nn.Module):
     def _lm_forward(self, ids: torch.Tensor, pos: int, cache: DynamicCache, last_only: bool = False) -> torch.Tensor:
         """AR view over `ids` [1, q] at positions pos..pos+q-1, appending to `cache`. Returns logits [q, V]
         (or [1, V] for the last position only, which spares a prefill the LM head on every row)."""
-        position_ids = torch.arange(pos, pos + ids.shape[1], device=self.device).unsqueeze(0)
-        out = self.backbone(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True,
-                            logits_to_keep=1 if last_only else 0)
-        return out.logits[0]
+        position_ids = torch.arange(pos, pos + ids.shape[1], device=self.device)[None]
+        out = self.backbone.model(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True)
+        hidden = out.last_hidden_state  # (the backbone's layers, then its LM head, as its own forward runs them)
+        return self.backbone.lm_head(hidden[:, -1:] if last_only else hidden)[0]
 
     @torch.no_grad()
     def prefill(self, prompt_ids: list[int]) -> tuple[DynamicCache, torch.Tensor]:
