@@ -4,6 +4,7 @@ rule hold everywhere, and the kernels are correct (float64 references, stock fp3
 The borders (positions past the table, dynamic RoPE, sliding windows, modules without a kernel) decode or are
 refused in one line."""
 
+import copy
 import dataclasses
 import math
 import os
@@ -676,8 +677,9 @@ def test_fused_decoder_layers_give_the_bits_of_the_module_path(family, dtype, da
 
 def test_the_layer_stack_follows_head_weights_changed_in_place_or_replaced(family):
     """A stack is kept between forwards and made again when any weight it was made from changes: a draft pass
-    after the head's weights change in place (a training step, a loaded head), or after one is replaced by a new
-    tensor, gives the module path's draft logits for the new weights, not the old ones."""
+    after the head's weights change in place (a training step, a loaded head), after one is replaced by a new
+    tensor, after new data is assigned to one, or after a whole projection is replaced by another module, gives
+    the module path's draft logits for the new weights, not the old ones."""
     from lossless.decoding.exact import layer_modules
 
     model = OrthrusLM(tiny_backbone(family), k=4)
@@ -697,9 +699,58 @@ def test_the_layer_stack_follows_head_weights_changed_in_place_or_replaced(famil
     replaced = model.draft(cache, 7, 4)
     with layer_modules():
         assert torch.equal(replaced, model.draft(cache, 7, 4)) and not torch.equal(replaced, changed)
+    attn.k_proj_diff.weight.data = attn.k_proj_diff.weight.data * 2  # new data, the same parameter and version
+    assigned = model.draft(cache, 7, 4)
+    with layer_modules():
+        assert torch.equal(assigned, model.draft(cache, 7, 4)) and not torch.equal(assigned, replaced)
+    other = copy.deepcopy(attn.o_proj_diff)  # another module of the same kind in the projection's place
+    with torch.no_grad():
+        other.weight.mul_(-1)
+    attn.o_proj_diff = other
+    swapped = model.draft(cache, 7, 4)
+    with layer_modules():
+        assert torch.equal(swapped, model.draft(cache, 7, 4)) and not torch.equal(swapped, assigned)
 
 
 PROMPTS_FOR_STACK = [3, 9, 14, 15, 22, 40, 41, 2]
+
+
+def test_a_hook_on_the_layers_sees_every_forward_of_a_decode(family):
+    """Decoding calls the layer stack without the module call where nothing watches; a forward hook on the
+    backbone's layers (or on every module) still sees each forward, and the tokens stay the same."""
+    model = OrthrusLM(tiny_backbone(family), k=4)
+    perturb_head(model, 0.3)
+    model.set_attn("exact")
+    cfg = DecodeConfig(max_new_tokens=12, eos_ids=NO_EOS)
+    plain = decode(model, PROMPTS_FOR_STACK, "orthrus", cfg)
+    for register in (model.backbone.model.register_forward_hook, torch.nn.modules.module.register_module_forward_hook):
+        seen = []
+        handle = register(lambda module, args, out: seen.append(module) if module is model.backbone.model else None)
+        try:
+            hooked = decode(model, PROMPTS_FOR_STACK, "orthrus", cfg)
+        finally:
+            handle.remove()
+        assert hooked.generated == plain.generated and len(seen) == hooked.stats.forwards  # (the prefill counted)
+
+
+def test_a_decode_call_checks_each_stacks_weights_at_its_first_forward_only(family):
+    """Within a decode call the weights are fixed: the AR stack and the draft view's stack each check their weights
+    once (at their first forward), however many forwards the call runs; outside one, every forward checks."""
+    from lossless.decoding import exact
+
+    model = OrthrusLM(tiny_backbone(family), k=4)
+    perturb_head(model, 0.3)
+    model.set_attn("exact")
+    cfg = DecodeConfig(max_new_tokens=24, eos_ids=NO_EOS)
+    decode(model, PROMPTS_FOR_STACK, "orthrus", cfg)  # the stacks made
+    checks = mock.patch.object(exact._HeldStack, "current", autospec=True, side_effect=exact._HeldStack.current)
+    with checks as current:
+        state = decode(model, PROMPTS_FOR_STACK, "orthrus", cfg)
+        assert state.stats.forwards > 4 and current.call_count == 2
+        cache, _ = model.prefill(PROMPTS_FOR_STACK)
+        for _ in range(3):
+            model.draft(cache, 7, 4)
+        assert current.call_count == 2 + 4
 
 
 # -------------------------------------------------------------------------------------------- borders

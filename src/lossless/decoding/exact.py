@@ -262,6 +262,18 @@ class _Visible:
 
 
 _MODULES: ContextVar[bool] = ContextVar("lossless_layer_modules", default=False)
+_FIXED: ContextVar[dict | None] = ContextVar("lossless_weights_fixed", default=None)
+
+
+@contextmanager
+def weights_fixed():
+    """Within this block no weight changes (a decode call): each kernel stack checks that it still holds the
+    weights it was made from at its first forward in the block only, not at every forward."""
+    token = _FIXED.set({})
+    try:
+        yield
+    finally:
+        _FIXED.reset(token)
 
 
 @contextmanager
@@ -308,7 +320,7 @@ class FusedLayerMixin:
         """The AR (or draft-view) plan, made again when any weight it was made from has changed."""
         key_of = "_lossless_draft_plan" if draft else "_lossless_plan"
         plan = self.__dict__.get(key_of)
-        if plan is None or any(d[name] is not t or t._version != v for d, name, t, v in plan[0]):
+        if plan is None or not plan[0].current():
             plan = self.__dict__[key_of] = self._lossless_make_plan(draft=draft)
         return plan
 
@@ -323,12 +335,16 @@ class FusedLayerMixin:
         """Whether this layer's draft view can run on the kernels' layer code: decoding (no training layout or
         context of its own) over a cache that grows in place, with packed projections and no draft adapter. A
         fused forward (verify rows and draft groups) then runs on the layer stack."""
-        attn = self._modules["self_attn"]  # (submodules by dict: every layer of every draft forward asks)
-        own = attn._modules
+        idx = self._modules["self_attn"].layer_idx
         return (draft.context is None and draft.chunks is None and cache is not None
-                and isinstance(cache.layers[attn.layer_idx], GrowingLayer) and cache.get_seq_length(attn.layer_idx) > 0
-                and self._modules["mlp"]._modules.get("mlp_diff") is None
-                and all(isinstance(own.get(f"{p}_proj_diff"), PackedLinearMixin) for p in "qkvo"))
+                and isinstance(cache.layers[idx], GrowingLayer) and cache.get_seq_length(idx) > 0
+                and self._lossless_draft_fits())
+
+    def _lossless_draft_fits(self) -> bool:
+        """Whether the draft view's parts run on the layer kernels: packed projections, no draft adapter."""
+        own = self._modules["self_attn"]._modules  # (submodules by dict: every layer of a draft forward asks)
+        return self._modules["mlp"]._modules.get("mlp_diff") is None and \
+            all(isinstance(own.get(f"{p}_proj_diff"), PackedLinearMixin) for p in "qkvo")
 
     def _lossless_make_plan(self, draft: bool = False) -> tuple:
         """(the weights it was made from with their versions, the draft adapter's row marker, layer index,
@@ -341,8 +357,13 @@ class FusedLayerMixin:
         q_norm, k_norm = getattr(attn, f"q_norm{view}", None), getattr(attn, f"k_norm{view}", None)
         first, second = self.input_layernorm, self.post_attention_layernorm
         modules = [*ins, *outs, first, second, *(n for n in (q_norm, k_norm) if n is not None)]
-        stamps = [(m._parameters, name, t, t._version) for m in modules for name in ("weight", "bias")
-                  if (t := m._parameters.get(name)) is not None]
+        held = [(self, "self_attn"), (self, "mlp"), (self, "input_layernorm"), (self, "post_attention_layernorm"),
+                *((attn, f"{p}_proj{view}") for p in "qkvo"), (mlp, "gate_proj"), (mlp, "up_proj"), (mlp, "down_proj"),
+                *((attn, f"{p}_norm{view}") for p, n in (("q", q_norm), ("k", k_norm)) if n is not None),
+                *([(mlp, "mlp_diff")] if draft else [])]  # (the draft view's adapter: none, as `_lossless_draft_fits`)
+        weights = [(m._parameters, name, t) for m in modules for name in ("weight", "bias")
+                   if (t := m._parameters.get(name)) is not None]
+        stamps = _Stamps([(parent._modules, name, parent._modules.get(name)) for parent, name in held] + weights)
         bias = lambda p: _NONE if p.bias is None else p.bias  # noqa: E731
         args_in = (first.weight, first.variance_epsilon, [p.packed() for p in ins], [bias(p) for p in ins],
                    [p.out_features for p in ins], _NONE if q_norm is None else q_norm.weight,
@@ -364,14 +385,27 @@ class FusedStackMixin:
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 use_cache=None, **kwargs):
-        out = self._lossless_stack_forward(input_ids, attention_mask, position_ids, cache, inputs_embeds, kwargs)
-        if out is not None:
-            return out
+        hidden = self._lossless_stack_forward(input_ids, attention_mask, position_ids, cache, inputs_embeds, kwargs)
+        if hidden is not None:
+            from transformers.modeling_outputs import BaseModelOutputWithPast
+
+            return BaseModelOutputWithPast(last_hidden_state=hidden[None], cache=cache)
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
 
+    def lossless_hidden(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                        use_cache=None, **kwargs) -> torch.Tensor:
+        """The forward's last hidden states [q, d] (one sequence): `self(...).last_hidden_state[0]`, without the
+        module call and its output object where no hook asks to see the forward and the stack runs it."""
+        if not (self._forward_hooks or self._forward_pre_hooks or _GLOBAL_HOOKS()):
+            hidden = self._lossless_stack_forward(input_ids, attention_mask, position_ids, cache, inputs_embeds, kwargs)
+            if hidden is not None:
+                return hidden
+        return self(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                    inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs).last_hidden_state[0]
+
     def _lossless_stack_forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, kwargs):
-        """The forward as one stack call, or None where it does not apply."""
+        """The forward's last hidden states [q, d] from one stack call, or None where it does not apply."""
         draft = kwargs.get("orthrus_draft")
         views = draft is not None and draft.verify_rows > 0  # a fused forward: verify rows, then draft groups
         if (cache is None or position_ids is None or kwargs.keys() - {"orthrus_draft"} or torch.is_grad_enabled()
@@ -381,11 +415,14 @@ class FusedStackMixin:
                 or (views and draft.context_mask is not None and draft.context_mask.dim() != 4)):
             return None
         layers = self.layers
-        if len(cache.layers) != len(layers):
+        if len(cache.layers) != len(layers) or (draft is not None and (  # a decoding draft (as `_lossless_view_fusable`)
+                draft.context is not None or draft.chunks is not None or (not views and draft.context_mask is not None))):
             return None
-        fits = (lambda layer: layer._lossless_view_fusable(draft, cache)) if views else \
-            (lambda layer: layer._lossless_drafts_fused(draft, cache))
-        if draft is not None and not all(fits(layer) for layer in layers):
+        if views:  # the AR view's stack for the verify rows, the draft view's for the groups after them
+            stacks = self._lossless_stack(False), self._lossless_stack(True, rows_from=draft.verify_rows)
+        else:  # (a fused forward without draft rows is a verify pass)
+            stacks = (self._lossless_stack(draft is not None),)
+        if stacks[-1] is None:  # the draft view has parts the layer kernels do not run
             return None
         embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if embeds.shape[0] != 1 or position_ids.shape != (1, embeds.shape[1]):
@@ -398,7 +435,7 @@ class FusedStackMixin:
             return None
         n, buffers, tiles = room
         v = draft.verify_rows if views else 0 if draft is not None else q  # the rows the cache keeps
-        if v > q:
+        if v > q or (draft is not None and n == 0):
             return None
         cos, sin = self.rotary_emb(embeds, position_ids=position_ids)
         if views:  # verify rows as a verify pass sees, then the groups under their mask (all: no mask)
@@ -412,54 +449,104 @@ class FusedStackMixin:
         args = (embeds[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(), visible, buffers[0], buffers[1],
                 tiles[0], tiles[1], n)
         if views and v < q:
-            ar, drafts = self._lossless_stack(False), self._lossless_stack(True, rows_from=v)
-            hidden = ar.forward_views(drafts, v, *args)
-        else:  # (a fused forward without draft rows is a verify pass)
-            hidden = self._lossless_stack(draft is not None and not views).forward(*args)
+            hidden = stacks[0].forward_views(stacks[1], v, *args)
+        else:
+            hidden = stacks[0].forward(*args)
         stack_wrote(cache.layers, v, n + v)  # the tiles hold the cache's positions now (and draft rows past its end)
-        from transformers.modeling_outputs import BaseModelOutputWithPast
-
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden[None]), cache=cache)
+        return self.norm(hidden)
 
     def _lossless_stack(self, draft: bool, rows_from: int = 0):
         """The kernel stack of every layer's AR (or draft-view) plan, made again when any weight a plan was made
-        from has changed (every forward asks, so the check runs over all layers' weights at once, in C). The
+        from has changed (every forward asks, but within `weights_fixed` only the first; the check runs over all
+        layers' weights at once, in C), or None where the draft view has parts the kernels do not run. The
         layers' draft-row markers say where the forward's draft rows start, as the layer-by-layer path marks
         them: none (AR), or `rows_from`."""
         key = (draft, kernels.isa())
         held = self.__dict__.setdefault("_lossless_stacks", {}).get(key)
-        if held is None or not held.current(self.layers):
+        checked = _FIXED.get()  # (the stacks checked since `weights_fixed` began)
+        if held is None or (checked is None or checked.get(key) is not held) and not held.current(self.layers):
+            if draft and not all(layer._lossless_draft_fits() for layer in self.layers):
+                return None  # (a current stack's stamps hold the parts this asks about)
             plans = [layer._lossless_current_plan(draft) for layer in self.layers]
             held = self._lossless_stacks[key] = _HeldStack(list(self.layers), plans)
+        if checked is not None:
+            checked[key] = held
         held.mark_rows(rows_from if draft else None)
         return held.stack
 
 
+def _GLOBAL_HOOKS() -> bool:
+    """Whether forward hooks for every module are registered (`nn.modules.module.register_module_forward_hook`)."""
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
+
+
 _VERSION = operator.attrgetter("_version")
+_POINTER = torch.Tensor.data_ptr
+# registrations of parameters and submodules anywhere (`nn.Module` attribute assignment, `register_*`,
+# `load_state_dict(assign=True)`): while the count stays, no module or weight a plan holds was put in another's place
+_REGISTERED = [0]
+
+
+def _registered(*_) -> None:
+    _REGISTERED[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
+torch.nn.modules.module.register_module_module_registration_hook(_registered)
+
+
+class _Stamps:
+    """What kernel arguments were made from: the objects in their places (a module or weight found under `name` in
+    its parent's `_modules` or `_parameters`), and the tensors that hold values (a released weight's meta
+    placeholder holds none) with their version and data pointer. `current()` says whether all still hold:
+    the places are looked at again only after a registration somewhere (`_REGISTERED`), the tensors every time
+    (an in-place change moves the version, an assignment to `.data` the pointer)."""
+
+    def __init__(self, places: list[tuple[dict, str, object]]):
+        self.dicts, self.names, self.objects = [d for d, _, _ in places], [n for _, n, _ in places], \
+            [o for _, _, o in places]
+        self.tensors = [o for o in self.objects if isinstance(o, torch.Tensor) and not o.is_meta]
+        self.versions, self.pointers = list(map(_VERSION, self.tensors)), list(map(_POINTER, self.tensors))
+        self.registered = _REGISTERED[0]
+
+    @classmethod
+    def joined(cls, parts: list[_Stamps]) -> _Stamps:
+        joined = cls([])
+        for part in parts:
+            for mine, theirs in ((joined.dicts, part.dicts), (joined.names, part.names), (joined.objects, part.objects),
+                                 (joined.tensors, part.tensors), (joined.versions, part.versions),
+                                 (joined.pointers, part.pointers)):
+                mine.extend(theirs)
+        joined.registered = min((part.registered for part in parts), default=_REGISTERED[0])
+        return joined
+
+    def current(self) -> bool:
+        if self.registered != _REGISTERED[0]:
+            if not all(map(operator.is_, map(dict.get, self.dicts, self.names), self.objects)):
+                return False
+            self.registered = _REGISTERED[0]
+        return list(map(_VERSION, self.tensors)) == self.versions and \
+            list(map(_POINTER, self.tensors)) == self.pointers
 
 
 class _HeldStack:
-    """A kernel stack made from every layer's plan, with what it was made from: the layers, each weight's place (its
-    module's parameter dict and name), the tensor found there and its version; and the layers' draft-row markers."""
+    """A kernel stack made from every layer's plan, with what it was made from (the layers, and the plans' `_Stamps`)
+    and the layers' draft-row markers."""
 
     def __init__(self, layers: list, plans: list[tuple]):
         self.stack = kernels.stack()
         for _, _, _, scaling, args_in, args_out in plans:
             self.stack.add(*args_in, scaling, *args_out)
-        stamps = [stamp for plan in plans for stamp in plan[0]]
-        self.places, self.names = [d for d, *_ in stamps], [name for _, name, *_ in stamps]
-        self.tensors = [t for *_, t, _ in stamps]
-        # versions of the tensors that hold values (a released weight's meta placeholder holds none to change)
-        self.versioned = [t for *_, t, _ in stamps if not t.is_meta]
-        self.versions = [v for *_, t, v in stamps if not t.is_meta]
+        self.stamps = _Stamps.joined([plan[0] for plan in plans])
         self.layers, self.rows = layers, [rows for _, rows, *_ in plans if rows is not None]
 
     def current(self, layers) -> bool:
-        """Whether the stack's layers are still these, each weight still the tensor it was made from, at the same
-        version."""
-        return (len(layers) == len(self.layers) and all(map(operator.is_, layers, self.layers))
-                and all(map(operator.is_, map(dict.get, self.places, self.names), self.tensors))
-                and list(map(_VERSION, self.versioned)) == self.versions)
+        """Whether the stack's layers are still these, each with the modules and weights it was made from, and
+        those unchanged."""
+        return len(layers) == len(self.layers) and all(map(operator.is_, layers, self.layers)) and \
+            self.stamps.current()
 
     def mark_rows(self, start: int | None) -> None:
         for rows in self.rows:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from contextlib import AbstractContextManager
 from typing import Callable, Protocol
 
 import torch
@@ -39,6 +40,9 @@ class DecodingModel(Protocol):
     max_positions: int
 
     def eos_token_ids(self) -> list[int]: ...
+
+    def weights_fixed(self) -> AbstractContextManager:
+        """A block within which no weight changes (one decode call): the model may check its weights once."""
 
     def prefill(self, prompt_ids: list[int]) -> tuple[object, torch.Tensor]:
         """(a cache holding the prompt, last-position logits [V])."""
@@ -355,13 +359,11 @@ def accept_greedy(drafts: list[int], logits: torch.Tensor) -> tuple[int, int]:
 
     logits [k, V]: row j is the AR distribution for the token after block position j.
     """
-    targets = argmax(logits)  # [k]
-    if drafts:
-        matches = torch.tensor(drafts, device=targets.device) == targets[: len(drafts)]
-        n_accepted = int(matches.to(torch.int64).cumprod(0).sum())
-    else:
-        n_accepted = 0
-    return n_accepted, int(targets[n_accepted])
+    targets = argmax(logits).tolist()  # [k]
+    n_accepted = 0
+    while n_accepted < len(drafts) and drafts[n_accepted] == targets[n_accepted]:
+        n_accepted += 1
+    return n_accepted, targets[n_accepted]
 
 
 def accept_sampling(drafts: list[int], q: torch.Tensor, p: torch.Tensor, generator) -> tuple[int, int]:
@@ -535,6 +537,13 @@ def decode(model: DecodingModel, prompt_ids: list[int], mode: str = "orthrus", c
     k = validate(model, prompt_ids, cfg, mode)
     if (cfg.tree or cfg.lookup) and drafter is not model_drafter:
         raise LosslessError("a candidate tree drafts with the model's own head; drop the tree/lookup or the drafter")
+    with model.weights_fixed():
+        return _decode(model, prompt_ids, mode, cfg, k, on_tokens, drafter, stop)
+
+
+def _decode(model: DecodingModel, prompt_ids: list[int], mode: str, cfg: DecodeConfig, k: int,
+            on_tokens: Callable[[list[int]], None] | None, drafter: Drafter,
+            stop: Callable[[DecodeState], bool] | None) -> DecodeState:
     generator = cfg.sampling.generator(model.device)
     start = time.perf_counter()
     state = prefill(model, prompt_ids, cfg, generator)

@@ -217,6 +217,11 @@ class OrthrusLM(nn.Module):
         return self.exact_ops
 
     # ---------------------------------------------------------------------------------------- forwards
+    def weights_fixed(self):
+        """A block within which no weight changes (a decode call): exact mode's layer stack checks that it still
+        holds the weights it was made from at its first forward in the block, not at every one."""
+        return exact.weights_fixed()
+
     def new_cache(self) -> DynamicCache:
         return growing_cache(self.config)
 
@@ -224,9 +229,17 @@ class OrthrusLM(nn.Module):
         """AR view over `ids` [1, q] at positions pos..pos+q-1, appending to `cache`. Returns logits [q, V]
         (or [1, V] for the last position only, which spares a prefill the LM head on every row)."""
         position_ids = torch.arange(pos, pos + ids.shape[1], device=self.device)[None]
-        out = self.backbone.model(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True)
-        hidden = out.last_hidden_state  # (the backbone's layers, then its LM head, as its own forward runs them)
+        hidden = self._hidden(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True)[None]
+        # (the backbone's layers, then its LM head, as its own forward runs them)
         return self.backbone.lm_head(hidden[:, -1:] if last_only else hidden)[0]
+
+    def _hidden(self, **kwargs) -> torch.Tensor:
+        """The backbone's layers over one sequence: last hidden states [q, d] (exact mode: without the module call
+        where it may)."""
+        layers = self.backbone.model
+        if isinstance(layers, exact.FusedStackMixin):
+            return layers.lossless_hidden(**kwargs)
+        return layers(**kwargs).last_hidden_state[0]
 
     @torch.no_grad()
     def prefill(self, prompt_ids: list[int]) -> tuple[DynamicCache, torch.Tensor]:
@@ -280,9 +293,9 @@ class OrthrusLM(nn.Module):
         visible, depth = tree_visibility(parents, pos)
         position_ids = torch.tensor([[pos + d for d in depth]], device=self.device)
         mask = additive_mask(visible, self.dtype).to(self.device)
-        out = self.backbone.model(input_ids=torch.tensor([ids], device=self.device), position_ids=position_ids,
-                                  attention_mask=mask, cache=cache, use_cache=True)
-        return self.backbone.lm_head(out.last_hidden_state[0])
+        hidden = self._hidden(input_ids=torch.tensor([ids], device=self.device), position_ids=position_ids,
+                              attention_mask=mask, cache=cache, use_cache=True)
+        return self.backbone.lm_head(hidden)
 
     @staticmethod
     def keep_cache_rows(cache: DynamicCache, start: int, rows: list[int]) -> None:
@@ -321,9 +334,8 @@ class OrthrusLM(nn.Module):
         """The draft view's last hidden states [q, d] (before the LM head), for callers that need logits on
         some rows only (training). In exact mode a decoding draft runs the exact kernels (here faster than the
         stock ones, and any kernel may propose); a training step, which needs gradients, the stock ones."""
-        out = self.backbone.model(inputs_embeds=embeds, position_ids=position_ids, cache=cache, use_cache=False,
-                                  orthrus_draft=spec or DraftSpec())
-        return out.last_hidden_state[0]
+        return self._hidden(inputs_embeds=embeds, position_ids=position_ids, cache=cache, use_cache=False,
+                            orthrus_draft=spec or DraftSpec())
 
     @torch.no_grad()
     def draft(self, cache: DynamicCache, last_token: int, k: int) -> torch.Tensor:
@@ -363,9 +375,8 @@ class OrthrusLM(nn.Module):
         verify_mask = additive_mask(causal, dtype).to(device)
         group_mask = additive_mask(block_visibility([pos + n for n in anchors], rows, pos + v), dtype)
         spec = DraftSpec(context_mask=group_mask.to(device), verify_rows=v, verify_mask=verify_mask)
-        out = self.backbone.model(inputs_embeds=embeds, position_ids=position_ids, attention_mask=verify_mask,
-                                  cache=cache, use_cache=True, orthrus_draft=spec)
-        hidden = out.last_hidden_state[0]  # [v + g*rows, d]
+        hidden = self._hidden(inputs_embeds=embeds, position_ids=position_ids, attention_mask=verify_mask, cache=cache,
+                              use_cache=True, orthrus_draft=spec)  # [v + g*rows, d]
         assert cache.get_seq_length() == pos + v, "a fused forward writes exactly its verify rows"
         masks = hidden[v:].reshape(g, rows, hidden.shape[-1])[:, 1:]  # each group's mask rows
         logits = self.backbone.lm_head(torch.cat([hidden[:v], masks.reshape(g * width, hidden.shape[-1])]))
