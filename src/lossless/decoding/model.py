@@ -303,8 +303,10 @@ class OrthrusLM(nn.Module):
         caller crops what lies beyond."""
         if rows == list(range(len(rows))):
             return
+        index = None
         for layer in cache.layers:
-            index = torch.tensor(rows, device=layer.keys.device) + start
+            if index is None or index.device != layer.keys.device:
+                index = torch.tensor(rows, device=layer.keys.device) + start
             current = isinstance(layer, GrowingLayer) and layer._tiles_current()
             for tensor in (layer.keys, layer.values):
                 tensor[:, :, start: start + len(rows)] = tensor.index_select(2, index)
