@@ -234,8 +234,9 @@ def main(argv=None) -> int:
         print(f"speed: error: {exc}", file=sys.stderr)
         return 2
     args.eos = models["stock"].eos_token_ids()
-    counters = {id(m): ForwardCounter(m.backbone.model) for m in {id(m): m for m in models.values()}.values()
-                if m is not models.get("peer")}
+    # forwards counted by a hook for HF's methods only: a hook on an exact model's layers would make its decodes
+    # take the module call (ours count their own forwards)
+    counters = {id(models["stock"]): ForwardCounter(models["stock"].backbone.model)}
     encoded = [encode_prompt(models["stock"].tokenizer, p["prompt"]) for p in prompts]
     variants = variants_for(methods, kernels, trees, fused)
 

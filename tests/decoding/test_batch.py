@@ -249,6 +249,29 @@ def test_a_decode_begun_alone_hands_its_cache_over_and_goes_on_with_the_same_bit
         BatchDecoder(model).add(prompt, cfg, generated=begun.generated, cache=model.new_cache())
 
 
+def test_a_handed_over_cache_that_fails_to_move_in_leaves_the_shared_one_as_it_was(monkeypatch):
+    """Moving a decode's cache into the batch's fails part way (out of memory, say): the error comes out as it
+    was, and no layer of the shared cache keeps rows the others lack."""
+    model = exact_model("llama", torch.bfloat16)
+    prompt, cfg = [3, 1, 4, 1, 5, 9, 2, 6], DecodeConfig(max_new_tokens=8, eos_ids=NO_EOS)
+    begun = decode(model, prompt, "ar", dataclasses.replace(cfg, stop_after=2))
+    dec = BatchDecoder(model)
+    dec.add([7, 7, 2], DecodeConfig(max_new_tokens=8, eos_ids=NO_EOS))
+    dec.step()
+    held = [layer.get_seq_length() for layer in dec.cache.layers]
+    update = type(dec.cache).update
+
+    def failing(cache, keys, values, i, *args, **kwargs):
+        if i == len(cache.layers) - 1:
+            raise MemoryError("no room")
+        return update(cache, keys, values, i, *args, **kwargs)
+
+    monkeypatch.setattr(type(dec.cache), "update", failing)
+    with pytest.raises(MemoryError, match="no room"):
+        dec.add(prompt, cfg, generated=begun.generated, stats=begun.stats, cache=begun.cache)
+    assert [layer.get_seq_length() for layer in dec.cache.layers] == held
+
+
 def test_a_sequence_whose_own_step_fails_ends_alone_and_the_others_finish():
     """A sampled sequence whose distribution cannot be sampled (a temperature past the validation floor, set after
     it, as a request that slipped through would) and one whose token callback raises end with their own error;

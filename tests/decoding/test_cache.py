@@ -3,6 +3,8 @@ decoding does (appends of blocks, crops, a tree's accepted rows moved down), wit
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -55,3 +57,19 @@ def test_a_decode_step_writes_in_place():
     before = cache.layers[0].keys.clone()
     keys, _ = cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), 0)
     assert torch.equal(keys[:, :, :110], before) and keys.shape[2] == 111
+
+
+def test_a_copied_cache_holds_the_same_keys_and_grows_in_its_own_buffers():
+    config = tiny_backbone("llama").config
+    cache = growing_cache(config)
+    cache.update(torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8), 0)
+    cache.crop(-3)
+    held = cache.layers[0].keys.clone()  # (its views made, and copied with it)
+    twin = copy.deepcopy(cache)
+    assert torch.equal(twin.layers[0].keys, held) and twin.get_seq_length(0) == 7
+    twin.offload(0)  # (on the CPU already: its own views given back, as they were)
+    buffer = twin.layers[0].keys.data_ptr()
+    assert buffer != cache.layers[0].keys.data_ptr()
+    step = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    keys, _ = twin.update(*step, 0)
+    assert keys.data_ptr() == buffer and torch.equal(keys, cache.update(*step, 0)[0])

@@ -416,6 +416,8 @@ def test_rows_gathered_from_the_panels_are_the_embedding_lookup(dtype, n, k, sha
     for bad in (-1, n):  # outside the vocabulary: refused, as the lookup refuses it (not a padding row)
         with pytest.raises(IndexError):
             kernels.embedding_rows(packed, torch.tensor([0, bad]), n, k)
+    with pytest.raises(RuntimeError, match="integers"):  # as the lookup refuses them
+        kernels.embedding_rows(packed, ids.float(), n, k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -678,8 +678,8 @@ def test_fused_decoder_layers_give_the_bits_of_the_module_path(family, dtype, da
 def test_the_layer_stack_follows_head_weights_changed_in_place_or_replaced(family):
     """A stack is kept between forwards and made again when any weight it was made from changes: a draft pass
     after the head's weights change in place (a training step, a loaded head), after one is replaced by a new
-    tensor, after new data is assigned to one, or after a whole projection is replaced by another module, gives
-    the module path's draft logits for the new weights, not the old ones."""
+    tensor (by assignment or in the module's dict), after new data is assigned to one, or after a whole
+    projection is replaced by another module, gives the module path's draft logits for the new weights."""
     from lossless.decoding.exact import layer_modules
 
     model = OrthrusLM(tiny_backbone(family), k=4)
@@ -703,6 +703,12 @@ def test_the_layer_stack_follows_head_weights_changed_in_place_or_replaced(famil
     assigned = model.draft(cache, 7, 4)
     with layer_modules():
         assert torch.equal(assigned, model.draft(cache, 7, 4)) and not torch.equal(assigned, replaced)
+    with torch.no_grad():  # a new tensor written into the module's dict, as torch.func.functional_call does
+        attn.q_proj_diff._parameters["weight"] = torch.nn.Parameter(attn.q_proj_diff.weight * 0.5)
+    written = model.draft(cache, 7, 4)
+    with layer_modules():
+        assert torch.equal(written, model.draft(cache, 7, 4)) and not torch.equal(written, assigned)
+    assigned = written
     other = copy.deepcopy(attn.o_proj_diff)  # another module of the same kind in the projection's place
     with torch.no_grad():
         other.weight.mul_(-1)

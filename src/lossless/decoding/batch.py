@@ -175,7 +175,9 @@ class BatchDecoder:
             for i, layer in enumerate(cache.layers):
                 self.cache.update(layer.keys, layer.values, i)
         except BaseException:  # (out of memory, say) no layer may keep rows the others lack: the others' keys
-            self.cache.crop(start)
+            for layer in self.cache.layers:
+                if layer.get_seq_length() > start:
+                    layer.crop(start - layer.get_seq_length())
             raise
         return start, n
 

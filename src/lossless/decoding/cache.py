@@ -39,6 +39,11 @@ class GrowingLayer(DynamicLayer):
     _tiles_valid: int = 0
     _tiles_version: int = -1
 
+    def __getstate__(self) -> dict:  # (a copy makes its views again from its own buffers)
+        state = self.__dict__.copy()
+        state.pop("_made", None)
+        return state
+
     def _read(self, i: int) -> torch.Tensor | None:
         if self._buffers is None:
             return self._loose[i]

@@ -396,8 +396,9 @@ class FusedStackMixin:
     def lossless_hidden(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                         use_cache=None, **kwargs) -> torch.Tensor:
         """The forward's last hidden states [q, d] (one sequence): `self(...).last_hidden_state[0]`, without the
-        module call and its output object where no hook asks to see the forward and the stack runs it."""
-        if not (self._forward_hooks or self._forward_pre_hooks or _GLOBAL_HOOKS()):
+        module call and its output object where the stack runs it and nothing asks to see the forward (a forward
+        hook on this module or on every module, or a `forward` of its own on this instance)."""
+        if not (self._forward_hooks or self._forward_pre_hooks or "forward" in self.__dict__ or _GLOBAL_HOOKS()):
             hidden = self._lossless_stack_forward(input_ids, attention_mask, position_ids, cache, inputs_embeds, kwargs)
             if hidden is not None:
                 return hidden
@@ -418,14 +419,15 @@ class FusedStackMixin:
         if len(cache.layers) != len(layers) or (draft is not None and (  # a decoding draft (as `_lossless_view_fusable`)
                 draft.context is not None or draft.chunks is not None or (not views and draft.context_mask is not None))):
             return None
+        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if embeds.shape[0] != 1 or position_ids.shape != (1, embeds.shape[1]) or (
+                draft is not None and cache.get_seq_length() == 0):  # (a draft reads a cache)
+            return None
         if views:  # the AR view's stack for the verify rows, the draft view's for the groups after them
             stacks = self._lossless_stack(False), self._lossless_stack(True, rows_from=draft.verify_rows)
         else:  # (a fused forward without draft rows is a verify pass)
             stacks = (self._lossless_stack(draft is not None),)
         if stacks[-1] is None:  # the draft view has parts the layer kernels do not run
-            return None
-        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if embeds.shape[0] != 1 or position_ids.shape != (1, embeds.shape[1]):
             return None
         q, attn = embeds.shape[1], layers[0].self_attn
         like = lambda: embeds.new_empty(1, self.config.num_key_value_heads, 0, attn.head_dim)  # noqa: E731
@@ -435,7 +437,7 @@ class FusedStackMixin:
             return None
         n, buffers, tiles = room
         v = draft.verify_rows if views else 0 if draft is not None else q  # the rows the cache keeps
-        if v > q or (draft is not None and n == 0):
+        if v > q or (draft is not None and n == 0):  # (layers of other lengths than the first's were refused)
             return None
         cos, sin = self.rotary_emb(embeds, position_ids=position_ids)
         if views:  # verify rows as a verify pass sees, then the groups under their mask (all: no mask)
@@ -484,32 +486,18 @@ def _GLOBAL_HOOKS() -> bool:
 
 _VERSION = operator.attrgetter("_version")
 _POINTER = torch.Tensor.data_ptr
-# registrations of parameters and submodules anywhere (`nn.Module` attribute assignment, `register_*`,
-# `load_state_dict(assign=True)`): while the count stays, no module or weight a plan holds was put in another's place
-_REGISTERED = [0]
-
-
-def _registered(*_) -> None:
-    _REGISTERED[0] += 1
-
-
-torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
-torch.nn.modules.module.register_module_module_registration_hook(_registered)
-
-
 class _Stamps:
     """What kernel arguments were made from: the objects in their places (a module or weight found under `name` in
-    its parent's `_modules` or `_parameters`), and the tensors that hold values (a released weight's meta
-    placeholder holds none) with their version and data pointer. `current()` says whether all still hold:
-    the places are looked at again only after a registration somewhere (`_REGISTERED`), the tensors every time
-    (an in-place change moves the version, an assignment to `.data` the pointer)."""
+    its parent's `_modules` or `_parameters`: another one put there, by assignment or by writing the dict as
+    `torch.func.functional_call` does, is noticed), and the tensors that hold values (a released weight's meta
+    placeholder holds none) with their version and data pointer (an in-place change moves the version, an
+    assignment to `.data` the pointer). `current()` says whether all still hold."""
 
     def __init__(self, places: list[tuple[dict, str, object]]):
         self.dicts, self.names, self.objects = [d for d, _, _ in places], [n for _, n, _ in places], \
             [o for _, _, o in places]
         self.tensors = [o for o in self.objects if isinstance(o, torch.Tensor) and not o.is_meta]
         self.versions, self.pointers = list(map(_VERSION, self.tensors)), list(map(_POINTER, self.tensors))
-        self.registered = _REGISTERED[0]
 
     @classmethod
     def joined(cls, parts: list[_Stamps]) -> _Stamps:
@@ -519,16 +507,12 @@ class _Stamps:
                                  (joined.tensors, part.tensors), (joined.versions, part.versions),
                                  (joined.pointers, part.pointers)):
                 mine.extend(theirs)
-        joined.registered = min((part.registered for part in parts), default=_REGISTERED[0])
         return joined
 
     def current(self) -> bool:
-        if self.registered != _REGISTERED[0]:
-            if not all(map(operator.is_, map(dict.get, self.dicts, self.names), self.objects)):
-                return False
-            self.registered = _REGISTERED[0]
-        return list(map(_VERSION, self.tensors)) == self.versions and \
-            list(map(_POINTER, self.tensors)) == self.pointers
+        return (all(map(operator.is_, map(dict.get, self.dicts, self.names), self.objects))
+                and list(map(_VERSION, self.tensors)) == self.versions
+                and list(map(_POINTER, self.tensors)) == self.pointers)
 
 
 class _HeldStack:

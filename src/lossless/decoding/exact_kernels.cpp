@@ -112,6 +112,8 @@ std::string request_amx() {
 static torch::Tensor embedding_rows(const torch::Tensor& packed, const torch::Tensor& ids, int64_t n, int64_t k) {
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == 16 * (packed.scalar_type() == torch::kBFloat16 ? 2 : 1),
               "embedding_rows: packed panels expected");
+  TORCH_CHECK(packed.device().is_cpu() && ids.device().is_cpu(), "embedding_rows: CPU tensors expected");
+  TORCH_CHECK(!ids.is_floating_point() && !ids.is_complex(), "embedding_rows: token ids must be integers");
   auto flat = ids.reshape({-1}).to(torch::kLong).contiguous();
   const int64_t m = flat.numel(),* id = flat.data_ptr<int64_t>(), panels = packed.size(0), steps = packed.size(1);
   for (int64_t i = 0; i < m; ++i)
