@@ -437,7 +437,7 @@ class FusedStackMixin:
             return None
         n, buffers, tiles = room
         v = draft.verify_rows if views else 0 if draft is not None else q  # the rows the cache keeps
-        if v > q or (draft is not None and n == 0):  # (layers of other lengths than the first's were refused)
+        if v > q:
             return None
         cos, sin = self.rotary_emb(embeds, position_ids=position_ids)
         if views:  # verify rows as a verify pass sees, then the groups under their mask (all: no mask)
@@ -466,7 +466,7 @@ class FusedStackMixin:
         key = (draft, kernels.isa())
         held = self.__dict__.setdefault("_lossless_stacks", {}).get(key)
         checked = _FIXED.get()  # (the stacks checked since `weights_fixed` began)
-        if held is None or (checked is None or checked.get(key) is not held) and not held.current(self.layers):
+        if held is None or not ((checked is not None and checked.get(key) is held) or held.current(self.layers)):
             if draft and not all(layer._lossless_draft_fits() for layer in self.layers):
                 return None  # (a current stack's stamps hold the parts this asks about)
             plans = [layer._lossless_current_plan(draft) for layer in self.layers]
@@ -486,6 +486,8 @@ def _GLOBAL_HOOKS() -> bool:
 
 _VERSION = operator.attrgetter("_version")
 _POINTER = torch.Tensor.data_ptr
+
+
 class _Stamps:
     """What kernel arguments were made from: the objects in their places (a module or weight found under `name` in
     its parent's `_modules` or `_parameters`: another one put there, by assignment or by writing the dict as
@@ -494,20 +496,11 @@ class _Stamps:
     assignment to `.data` the pointer). `current()` says whether all still hold."""
 
     def __init__(self, places: list[tuple[dict, str, object]]):
+        self.places = places
         self.dicts, self.names, self.objects = [d for d, _, _ in places], [n for _, n, _ in places], \
             [o for _, _, o in places]
         self.tensors = [o for o in self.objects if isinstance(o, torch.Tensor) and not o.is_meta]
         self.versions, self.pointers = list(map(_VERSION, self.tensors)), list(map(_POINTER, self.tensors))
-
-    @classmethod
-    def joined(cls, parts: list[_Stamps]) -> _Stamps:
-        joined = cls([])
-        for part in parts:
-            for mine, theirs in ((joined.dicts, part.dicts), (joined.names, part.names), (joined.objects, part.objects),
-                                 (joined.tensors, part.tensors), (joined.versions, part.versions),
-                                 (joined.pointers, part.pointers)):
-                mine.extend(theirs)
-        return joined
 
     def current(self) -> bool:
         return (all(map(operator.is_, map(dict.get, self.dicts, self.names), self.objects))
@@ -523,7 +516,7 @@ class _HeldStack:
         self.stack = kernels.stack()
         for _, _, _, scaling, args_in, args_out in plans:
             self.stack.add(*args_in, scaling, *args_out)
-        self.stamps = _Stamps.joined([plan[0] for plan in plans])
+        self.stamps = _Stamps([place for plan in plans for place in plan[0].places])  # (each plan current now)
         self.layers, self.rows = layers, [rows for _, rows, *_ in plans if rows is not None]
 
     def current(self, layers) -> bool:
