@@ -4,21 +4,30 @@ decoding does (appends of blocks, crops, a tree's accepted rows moved down), wit
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from conftest import tiny_backbone
-from lossless.decoding.cache import GrowingLayer, growing_cache
+from lossless.decoding import kernels
+from lossless.decoding.cache import GrowingLayer, growing_cache, stack_keep_rows
 from lossless.decoding.model import OrthrusLM
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["rows moved by the kernel", "rows moved by torch"])
 @settings(max_examples=30, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["append", "crop", "keep"]), st.integers(1, 40)), min_size=1,
                     max_size=25), seed=st.integers(0, 2**16))
-def test_a_growing_cache_holds_what_a_dynamic_cache_holds(ops, seed):
+def test_a_growing_cache_holds_what_a_dynamic_cache_holds(kernel, ops, seed):
+    with mock.patch.object(kernels, "loaded", lambda: kernel):
+        grown_as_dynamic(ops, seed)
+
+
+def grown_as_dynamic(ops, seed):
     config = tiny_backbone("llama").config
     g = torch.Generator().manual_seed(seed)
     mine, theirs = growing_cache(config), DynamicCache(config=config)
@@ -73,3 +82,45 @@ def test_a_copied_cache_holds_the_same_keys_and_grows_in_its_own_buffers():
     step = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
     keys, _ = twin.update(*step, 0)
     assert keys.data_ptr() == buffer and torch.equal(keys, cache.update(*step, 0)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@settings(max_examples=40, deadline=None)
+@given(heads=st.integers(1, 4), d=st.integers(1, 70), n=st.integers(1, 60), data=st.data())
+def test_rows_moved_by_the_kernel_are_the_rows_torch_moves(dtype, heads, d, n, data):
+    """`kernels.move_rows` (a tree's accepted path moved into place, every buffer in one call) against index_select
+    over any buffers, start and rising rows; the buffers' versions move (the key tiles see a write); rows that
+    do not rise, or reach past a buffer, are refused."""
+    start = data.draw(st.integers(0, n - 1), label="start")
+    rows = sorted(data.draw(st.sets(st.integers(0, n - start - 1), min_size=1), label="rows"))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    buffers = [torch.randn(1, heads, n + data.draw(st.integers(0, 5), label="room"), d, generator=gen).to(dtype)
+               for _ in range(3)]
+    want = [b.clone() for b in buffers]
+    for b in want:
+        b[:, :, start: start + len(rows)] = b.index_select(2, torch.tensor(rows) + start)
+    versions = [b._version for b in buffers]
+    kernels.move_rows(buffers, start, rows)
+    assert all(torch.equal(a, b) for a, b in zip(buffers, want))
+    assert all(b._version > v for b, v in zip(buffers, versions))
+    with pytest.raises(RuntimeError, match="rise"):
+        kernels.move_rows(buffers, start, rows[::-1] if len(rows) > 1 else [-1])
+    with pytest.raises(RuntimeError, match="past"):
+        kernels.move_rows(buffers, buffers[0].shape[2], [0])
+
+
+def test_a_tree_commit_by_the_kernel_keeps_the_key_tiles_below_it_and_nothing_else():
+    """Rows moved by the kernel leave each layer's key tiles valid below `start` only (the next forward makes the
+    rest again), as a write from Python does; a cache holding other layers is left to torch (False)."""
+    config = tiny_backbone("llama").config
+    cache = growing_cache(config)
+    for i in range(len(cache.layers)):
+        cache.update(torch.randn(1, 2, 30, 8), torch.randn(1, 2, 30, 8), i)
+    kernels.extension()
+    for layer in cache.layers:
+        tiles, _ = layer.key_tiles(8)
+        layer._tiles_valid, layer._tiles_version = 30, layer._buffers[0]._version  # (as a forward leaves them)
+    assert stack_keep_rows(cache.layers, 20, [0, 3, 5])
+    for layer in cache.layers:
+        assert layer._tiles_current() and layer._tiles_valid == 20
+    assert not stack_keep_rows(DynamicCache(config=config).layers, 0, [0, 1])

@@ -109,18 +109,27 @@ def test_always_wrong_drafter_matches_ar_and_accepts_nothing(models, family, K):
         assert state.stats.steps == N_NEW - 1
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["exact kernels loaded", "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_greedy_choice_is_torch_argmax_including_ties(dtype):
+def test_greedy_choice_is_torch_argmax_including_ties(dtype, kernel):
     """The decode loop's greedy choice takes the first maximal index, as torch.argmax (and HF greedy) do, on
-    rows full of exact ties (few distinct values), all-equal rows, NaN rows and non-contiguous views."""
+    rows full of exact ties (few distinct values), all-equal rows, NaN rows and non-contiguous views: with exact
+    mode's kernels loaded (their `choices`) and without."""
+    from unittest import mock
+
+    from lossless.decoding import kernels
+
+    kernels.extension()
     gen = torch.Generator().manual_seed(0)
-    for vocab, rows in [(2, 1), (49152, 8), (50000, 3), (1000, 17)]:
-        x = torch.randint(0, 4, (rows, vocab), generator=gen).to(dtype)
-        x[0] = 1  # every index ties
-        if rows > 2:
-            x[2, vocab // 2] = float("nan")
-        for logits in (x, x.t().contiguous().t(), x[0]):
-            assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+    with mock.patch.object(kernels, "loaded", lambda: kernel):
+        for vocab, rows in [(2, 1), (49152, 8), (50000, 3), (1000, 17)]:
+            x = torch.randint(0, 4, (rows, vocab), generator=gen).to(dtype)
+            x[0] = 1  # every index ties
+            if rows > 2:
+                x[2, vocab // 2] = float("nan")
+                x[1, : vocab // 3] = float("-inf")
+            for logits in (x, x.t().contiguous().t(), x[0]):
+                assert torch.equal(argmax(logits), logits.argmax(dim=-1))
 
 
 def test_ar_greedy_equals_hugging_face_generate(models, family):

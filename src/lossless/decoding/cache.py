@@ -206,3 +206,22 @@ def growing_cache(config) -> DynamicCache:
     if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
         cache.layers = [GrowingLayer() for _ in cache.layers]
     return cache
+
+
+def stack_keep_rows(layers, start: int, rows: list[int]) -> bool:
+    """A tree's accepted path moved into place (the entries at start + rows[j] to start + j) in every layer's
+    buffers by one kernel call, where every layer is a `GrowingLayer` holding CPU buffers and exact mode's kernels
+    are loaded; False (nothing moved) elsewhere."""
+    from . import kernels
+
+    buffers = []
+    for layer in layers:
+        held = layer._buffers if isinstance(layer, GrowingLayer) else None
+        if held is None or held[0].device.type != "cpu" or not kernels.loaded():
+            return False
+        buffers.extend(held)
+    current = [layer._tiles_current() for layer in layers]
+    kernels.move_rows(buffers, start, rows)
+    for layer, was in zip(layers, current):
+        layer.keys_rewritten(start, was)
+    return True

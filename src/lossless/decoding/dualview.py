@@ -110,13 +110,12 @@ def tree_visibility(parents: list[int], n_ctx: int) -> tuple[torch.Tensor, list[
     (row i sees every cached key, its ancestors and itself) and each row's depth (row 0, the root, is 0;
     row i > 0 sits one position after its parent parents[i] < i)."""
     n = len(parents)
-    depth, visible = [0] * n, torch.zeros(n, n_ctx + n, dtype=torch.bool)
-    visible[:, :n_ctx] = True
-    for i in range(n):
-        if i:
-            depth[i] = depth[parents[i]] + 1
-            visible[i, n_ctx: n_ctx + i] = visible[parents[i], n_ctx: n_ctx + i]
-        visible[i, n_ctx + i] = True
+    depth, seen = [0] * n, [1 << i for i in range(n)]  # seen[i]: bit j set where row i sees row j
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+        seen[i] |= seen[parents[i]]
+    visible = torch.ones(n, n_ctx + n, dtype=torch.bool)
+    visible[:, n_ctx:] = torch.tensor([[(bits >> j) & 1 for j in range(n)] for bits in seen], dtype=torch.bool)
     return visible, depth
 
 

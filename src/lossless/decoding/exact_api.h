@@ -11,6 +11,7 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu(const at::Tensor& x);
 int64_t stream(const std::vector<at::Tensor>& tensors);
+std::vector<at::Tensor> choices(const at::Tensor& logits, int64_t n, bool with_probs);
 std::vector<at::Tensor> layer_in(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                  const at::Tensor& norm_w, double eps, const std::vector<at::Tensor>& packed,
                                  const std::vector<at::Tensor>& bias, const std::vector<int64_t>& n,

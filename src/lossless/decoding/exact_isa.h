@@ -43,6 +43,7 @@ struct V16 {
   static bool within(V16 x, float lo, float hi) {
     return (_mm512_cmp_ps_mask(x.v, _mm512_set1_ps(lo), _CMP_GE_OQ) & _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(hi), _CMP_LE_OQ)) == 0xFFFF;
   }
+  static bool any_past(V16 x, float limit) { return _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(limit), _CMP_NLE_UQ) != 0; }
   V16 pow2() const {
     return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(v), _mm512_set1_epi32(127)), 23))};
   }
@@ -81,6 +82,10 @@ struct V16 {
                                     _mm256_and_ps(_mm256_cmp_ps(x.hi, l, _CMP_GE_OQ), _mm256_cmp_ps(x.hi, h, _CMP_LE_OQ)));
     return _mm256_movemask_ps(in) == 0xFF;
   }
+  static bool any_past(V16 x, float limit) {
+    const __m256 l = _mm256_set1_ps(limit);
+    return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x.lo, l, _CMP_NLE_UQ), _mm256_cmp_ps(x.hi, l, _CMP_NLE_UQ))) != 0;
+  }
   static __m256 pow2_8(__m256 n) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
   }
@@ -116,6 +121,11 @@ struct V16 {
     bool in = true;
     for (int l = 0; l < LANES; ++l) in = in && x.v[l] >= lo && x.v[l] <= hi;
     return in;
+  }
+  static bool any_past(V16 x, float limit) {
+    bool past = false;
+    for (int l = 0; l < LANES; ++l) past = past || !(x.v[l] <= limit);
+    return past;
   }
   V16 pow2() const {
     V16 r;
@@ -164,6 +174,7 @@ struct V16 {
   // (above) add, sub, mul, div: lane-wise, correctly rounded; above(x, limit, a, b): x > limit ? a : b (a NaN is
   // not above); if_nan(x, a, b): x != x ? a : b; within(x, lo, hi): every lane lo <= x <= hi (a NaN is not);
   // pow2: 2^n of lanes holding whole numbers n, -126 <= n <= 127
+  // any_past(x, limit): some lane is above limit or a NaN
 };
 
 inline float tree16(const float* a) {
@@ -2093,6 +2104,66 @@ at::Tensor silu(const at::Tensor& x) {
   at::Tensor out = at::empty(x.sizes(), x.options());
   DISPATCH(x.scalar_type(), "silu", silu_impl<scalar>(x, out));
   return out;
+}
+
+// ---------------------------------------------------------------------------------------- choices from logits
+// What a decode reads from a row of logits: the first index of its largest value, and the n largest values'
+// indices (the largest first, the earlier index first among equal values; a NaN counts as above every number, as
+// torch.max takes it), with their softmax probabilities exp(x - top) / sum_j exp(x_j - top) where asked. The
+// selection compares values as they are (no denormal rule: it must pick what torch.max picks); the sum runs over a
+// logical 16-lane accumulator in a fixed order under the kernels' denormal rule, so every variant gives its bits.
+inline bool ranks_above(float a, float b) { return a != a ? b == b : a > b; }
+
+template <typename T>
+void choices_row(const T* row, int64_t v, int64_t n, int64_t* ids, float* probs) {
+  float top[8];
+  int64_t filled = 0;
+  auto offer = [&](float x, int64_t j) {
+    if (filled == n && !ranks_above(x, top[n - 1])) return;
+    int64_t at = filled < n ? filled++ : n - 1;
+    for (; at > 0 && ranks_above(x, top[at - 1]); --at) {
+      top[at] = top[at - 1];
+      ids[at] = ids[at - 1];
+    }
+    top[at] = x;
+    ids[at] = j;
+  };
+  int64_t j = 0;
+  for (; j < v && filled < n; ++j) offer(to_float(row[j]), j);
+  for (; j + LANES <= v; j += LANES)
+    if (V16::any_past(V16::load(row + j), top[n - 1]))
+      for (int64_t l = 0; l < LANES; ++l) offer(to_float(row[j + l]), j + l);
+  for (; j < v; ++j) offer(to_float(row[j]), j);
+  if (probs == nullptr) return;
+  const FlushDenormals flush;
+  const float best = top[0];
+  const V16 shift = V16::splat(best);
+  V16 sum = V16::zero();
+  j = 0;
+  for (; j + LANES <= v; j += LANES) sum = sum.add(exp_fixed(V16::load(row + j).sub(shift)));
+  float lanes[LANES];
+  sum.store(lanes);
+  for (int64_t l = 0; j + l < v; ++l) lanes[l] = lanes[l] + exp_fixed(to_float(row[j + l]) - best);
+  const float total = tree16(lanes);
+  for (int64_t i = 0; i < n; ++i) probs[i] = exp_fixed(top[i] - best) / total;
+}
+
+std::vector<at::Tensor> choices(const at::Tensor& logits, int64_t n, bool with_probs) {
+  check_cpu(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= 1, "choices: logits [m, V] with V >= 1");
+  TORCH_CHECK(n >= 1 && n <= 8 && n <= logits.size(1), "choices: between 1 and min(8, V) choices a row");
+  const int64_t m = logits.size(0), v = logits.size(1);
+  at::Tensor ids = at::empty({m, n}, logits.options().dtype(at::kLong));
+  at::Tensor probs = with_probs ? at::empty({m, n}, logits.options().dtype(at::kFloat)) : at::Tensor();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* pp = with_probs ? probs.data_ptr<float>() : nullptr;
+  DISPATCH(logits.scalar_type(), "choices", {
+    const scalar* lp = logits.data_ptr<scalar>();
+    at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) choices_row(lp + r * v, v, n, ip + r * n, pp ? pp + r * n : nullptr);
+    });
+  });
+  return with_probs ? std::vector<at::Tensor>{ids, probs} : std::vector<at::Tensor>{ids};
 }
 
 // ---------------------------------------------------------------------------------------- one decoder layer

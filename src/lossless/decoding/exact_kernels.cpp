@@ -68,6 +68,7 @@ namespace isa_scalar {
     sub.def("attention", &isa_##NS::attention, "softmax attention over each row's visible keys, in key order");   \
     sub.def("rms_norm", &isa_##NS::rms_norm, "Llama/Qwen RMSNorm, statistics in a fixed order");                  \
     sub.def("silu", &isa_##NS::silu, "x * sigmoid(x) with a fixed exp");                                          \
+    sub.def("choices", &isa_##NS::choices, "per row: the n largest logits' ids (and softmax probabilities)");    \
     sub.def("stream", &isa_##NS::stream, "read every byte of the tensors once (the memory floor); an OR of them");  \
     sub.def("choose_bf16_path", &isa_##NS::choose_bf16_path, "time both bf16 paths once, take the faster (same bits)"); \
     sub.def("product_rates", &isa_##NS::product_rates, "this core's dot-product and fma instructions a second (or none)"); \
@@ -143,9 +144,35 @@ static torch::Tensor embedding_rows(const torch::Tensor& packed, const torch::Te
   return out;
 }
 
+// A tree's accepted path moved into place in a cache's buffers: in every tensor [b, h, cap, d] (contiguous), the
+// entries at positions start + rows[j] copied to start + j, rows rising with rows[j] >= j (so no entry is written
+// before it is read). Bytes only; each tensor's version moves on, as a write from Python would.
+static void move_rows(const std::vector<torch::Tensor>& tensors, int64_t start, const std::vector<int64_t>& rows) {
+  for (size_t j = 0; j < rows.size(); ++j)
+    TORCH_CHECK(rows[j] >= static_cast<int64_t>(j) && (j == 0 || rows[j] > rows[j - 1]),
+                "move_rows: rows must rise, each at or after its place");
+  TORCH_CHECK(start >= 0, "move_rows: start must be >= 0");
+  for (const torch::Tensor& t : tensors) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() == 4, "move_rows: contiguous CPU [b, h, cap, d] tensors");
+    TORCH_CHECK(rows.empty() || start + rows.back() < t.size(2), "move_rows: a row past the buffer's end");
+  }
+  for (const torch::Tensor& t : tensors) {
+    const int64_t planes = t.size(0) * t.size(1), cap = t.size(2), bytes = t.size(3) * t.element_size();
+    char* base = static_cast<char*>(t.data_ptr());
+    for (int64_t p = 0; p < planes; ++p) {
+      char* plane = base + p * cap * bytes;
+      for (size_t j = 0; j < rows.size(); ++j)
+        if (rows[j] != static_cast<int64_t>(j))
+          std::memcpy(plane + (start + j) * bytes, plane + (start + rows[j]) * bytes, bytes);
+    }
+    t.unsafeGetTensorImpl()->bump_version();
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("request_amx", &request_amx, "ask Linux for the AMX tile state: '' when granted, else why not");
   m.def("embedding_rows", &embedding_rows, "rows of a packed weight gathered from its panels (the same bits)");
+  m.def("move_rows", &move_rows, "a tree's accepted rows moved into place in cache buffers [b, h, cap, d]");
 #if defined(LOSSLESS_X86)
   LOSSLESS_DEF_VARIANT(m, amx);
   LOSSLESS_DEF_VARIANT(m, avx512bf16);

@@ -427,6 +427,29 @@ def unpack_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return weight[:n, :k].contiguous()
 
 
+def loaded() -> bool:
+    """Whether the extension is loaded in this process already (an exact model loaded it). Helpers whose kernels
+    only compute faster what torch computes too (`choices`) take them then, and never build them for themselves."""
+    return extension.cache_info().currsize > 0
+
+
+def choices(logits: torch.Tensor, n: int, probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per row of logits [..., V] (fp32, bf16 or fp16, on the CPU): the ids of its n largest values [..., n], the
+    largest first, the earlier id first among equal values, a NaN above every number (so id 0 of a row is
+    `torch.max`'s index), and with `probs` their softmax probabilities [..., n] (fp32; the sum over the row in a
+    fixed order, the same bits on every variant), else None. 1 <= n <= min(8, V)."""
+    rows = logits.reshape(-1, logits.shape[-1]).contiguous()
+    out = ops().choices(rows, int(n), bool(probs))
+    shape = (*logits.shape[:-1], int(n))
+    return out[0].reshape(shape), out[1].reshape(shape) if probs else None
+
+
+def move_rows(tensors: list[torch.Tensor], start: int, rows: list[int]) -> None:
+    """In each contiguous CPU tensor [b, h, cap, d], the entries at positions start + rows[j] copied to start + j
+    (rows rising, rows[j] >= j): a tree's accepted path moved into place in cache buffers, in one call."""
+    extension().move_rows(tensors, int(start), [int(r) for r in rows])
+
+
 def embedding_rows(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Rows `ids` (any shape) of the weight [n, k] that `pack_weight` packed, gathered from the panels: bit for
     bit `unpack_weight(packed, n, k)[ids]`, without unpacking the rest -> [*ids.shape, k]. An id outside 0..n-1

@@ -29,7 +29,7 @@ import torch
 from ..errors import LosslessError
 from ..names import DEFAULT_LOOKUP, DEFAULT_TREE, check_cycle, check_mode, check_tree
 from .cycles import FALLBACK_CYCLES
-from .sampling import SamplingConfig, argmax, sample
+from .sampling import SamplingConfig, argmax, sample, top_candidates
 
 
 class DecodingModel(Protocol):
@@ -422,9 +422,8 @@ def tree_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: i
     logits = model.draft(state.cache, state.tokens[-1], depth + 1)  # [depth, V]: the chain cycle's block
     state.stats.forwards += 1
     if cfg.tree:
-        top = torch.topk(torch.softmax(logits.float(), dim=-1), min(TREE_WIDTH, logits.shape[-1]), dim=-1)
-        paths = build_tree(cfg.tree, top.values.tolist())
-        ranks = top.indices.tolist()  # [depth, width]
+        scores, ranks = top_candidates(logits, TREE_WIDTH)  # [depth, width] each
+        paths = build_tree(cfg.tree, scores)
     else:
         paths = tuple((0,) * j for j in range(1, depth + 1))
         ranks = [[t] for t in argmax(logits).tolist()]

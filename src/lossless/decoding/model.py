@@ -23,7 +23,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from . import exact
-from .cache import GrowingLayer, growing_cache
+from .cache import GrowingLayer, growing_cache, stack_keep_rows
 from . import head as headfile
 from .loop import DecodeConfig, GenerationOutput, auto_cycle, block_size, decode
 from ..dtypes import dtype_name
@@ -292,7 +292,8 @@ class OrthrusLM(nn.Module):
         pos = cache.get_seq_length()
         visible, depth = tree_visibility(parents, pos)
         position_ids = torch.tensor([[pos + d for d in depth]], device=self.device)
-        mask = additive_mask(visible, self.dtype).to(self.device)
+        # exact mode reads which keys a row sees as they are; other kernels take the additive mask
+        mask = visible[None, None] if self.attn == EXACT else additive_mask(visible, self.dtype).to(self.device)
         hidden = self._hidden(input_ids=torch.tensor([ids], device=self.device), position_ids=position_ids,
                               attention_mask=mask, cache=cache, use_cache=True)
         return self.backbone.lm_head(hidden)
@@ -301,7 +302,7 @@ class OrthrusLM(nn.Module):
     def keep_cache_rows(cache: DynamicCache, start: int, rows: list[int]) -> None:
         """Move the cache entries at start + rows[j] to start + j (a tree's accepted path), in every layer; the
         caller crops what lies beyond."""
-        if rows == list(range(len(rows))):
+        if rows == list(range(len(rows))) or stack_keep_rows(cache.layers, start, rows):
             return
         index = None
         for layer in cache.layers:
