@@ -244,7 +244,8 @@ def assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, 
             lanes = t.transpose(2, 3).contiguous().view(t.shape[0], -1, t.shape[2])  # [kv, position, step]
             lanes[:, :valid] = words
             t.copy_(lanes.view(t.shape[0], t.shape[1], 16, t.shape[2]).transpose(2, 3))
-        args = (x, cos, sin, visible, [b[0] for b in buffers], [b[1] for b in buffers], tiles, [valid] * len(layers), n)
+        args = (x, cos, sin, visible, [b[0] for b in buffers], [b[1] for b in buffers], tiles, [valid] * len(layers), n,
+                None, 0.0)
         if draft is None:
             h = stack.forward(*args)
         else:
@@ -722,21 +723,31 @@ PROMPTS_FOR_STACK = [3, 9, 14, 15, 22, 40, 41, 2]
 
 
 def test_a_hook_on_the_layers_sees_every_forward_of_a_decode(family):
-    """Decoding calls the layer stack without the module call where nothing watches; a forward hook on the
-    backbone's layers (or on every module) still sees each forward, and the tokens stay the same."""
+    """Decoding calls the layer stack without the module call, and the stack applies the final norm itself, where
+    nothing watches; a forward hook on the backbone's layers or on its final norm (or on every module) still sees
+    each forward, and the tokens and logits stay the same to the bit."""
     model = OrthrusLM(tiny_backbone(family), k=4)
     perturb_head(model, 0.3)
     model.set_attn("exact")
     cfg = DecodeConfig(max_new_tokens=12, eos_ids=NO_EOS)
     plain = decode(model, PROMPTS_FOR_STACK, "orthrus", cfg)
-    for register in (model.backbone.model.register_forward_hook, torch.nn.modules.module.register_module_forward_hook):
+    backbone = model.backbone.model
+
+    def verify_logits():
+        cache, _ = model.prefill(PROMPTS_FOR_STACK)
+        return model.verify(cache, [5, 6, 7])
+
+    unwatched = verify_logits()
+    for watched, register in ((backbone, backbone.register_forward_hook), (backbone.norm, backbone.norm.register_forward_hook),
+                              (backbone, torch.nn.modules.module.register_module_forward_hook)):
         seen = []
-        handle = register(lambda module, args, out: seen.append(module) if module is model.backbone.model else None)
+        handle = register(lambda module, args, out, watched=watched: seen.append(module) if module is watched else None)
         try:
             hooked = decode(model, PROMPTS_FOR_STACK, "orthrus", cfg)
+            assert torch.equal(verify_logits(), unwatched)
         finally:
             handle.remove()
-        assert hooked.generated == plain.generated and len(seen) == hooked.stats.forwards  # (the prefill counted)
+        assert hooked.generated == plain.generated and len(seen) == hooked.stats.forwards + 2  # (prefill counted)
 
 
 def test_a_decode_call_checks_each_stacks_weights_at_its_first_forward_only(family):

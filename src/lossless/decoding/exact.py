@@ -448,14 +448,15 @@ class FusedStackMixin:
             visible = torch.ones(q, n + q, dtype=torch.bool, device=embeds.device)
         else:
             visible = _visibility(attention_mask, q, n + q, embeds.device)
+        norm = _final_norm(self.norm, embeds)  # (the stack applies the final norm itself where nothing watches it)
         args = (embeds[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(), visible, buffers[0], buffers[1],
-                tiles[0], tiles[1], n)
+                tiles[0], tiles[1], n, *norm)
         if views and v < q:
             hidden = stacks[0].forward_views(stacks[1], v, *args)
         else:
             hidden = stacks[0].forward(*args)
         stack_wrote(cache.layers, v, n + v)  # the tiles hold the cache's positions now (and draft rows past its end)
-        return self.norm(hidden)
+        return hidden if norm[0] is not None else self.norm(hidden)
 
     def _lossless_stack(self, draft: bool, rows_from: int = 0):
         """The kernel stack of every layer's AR (or draft-view) plan, made again when any weight a plan was made
@@ -475,6 +476,19 @@ class FusedStackMixin:
             checked[key] = held
         held.mark_rows(rows_from if draft else None)
         return held.stack
+
+
+def _final_norm(norm: torch.nn.Module, like: torch.Tensor) -> tuple[torch.Tensor | None, float]:
+    """(weight, epsilon) of the backbone's final norm where the layer stack applies it itself (the bits of
+    `kernels.rms_norm`, which the module computes): exact mode's RMSNorm, its call watched by nothing (no hook on
+    it or on every module, no `forward` of its own on the instance), a weight of the rows' dtype and device; else
+    (None, 0.0) and the module runs."""
+    weight = getattr(norm, "weight", None)
+    if (isinstance(norm, NormMixin) and not (norm._forward_hooks or norm._forward_pre_hooks or "forward" in norm.__dict__)
+            and isinstance(weight, torch.Tensor) and weight.dtype == like.dtype and weight.device == like.device
+            and weight.dim() == 1 and weight.is_contiguous() and not weight.is_meta and not _GLOBAL_HOOKS()):
+        return weight, float(norm.variance_epsilon)
+    return None, 0.0
 
 
 def _GLOBAL_HOOKS() -> bool:

@@ -55,21 +55,25 @@ struct Stack {
            const std::vector<int64_t>& n_out, const at::Tensor& norm_out, double eps_out);
 
   // x [m, hidden] at positions with cos/sin [m, d]; visible [m, n + m]; keys/values: one buffer [1, kv, cap, d]
-  // per layer, cap >= n + m, holding the cache's n positions. Returns the last layer's output [m, hidden].
+  // per layer, cap >= n + m, holding the cache's n positions. Returns the last layer's output [m, hidden], or with
+  // `norm` (a weight [hidden], and its epsilon) that output through the model's final RMSNorm (`rms_norm`'s bits).
   // tiles: each layer's key tiles [kv, tiles >= (n + m) / 16, steps, 16] int32 (`write_tile`), valid for its first
   // `valid` positions: the rest up to n are made from the cache's keys, the m new rows' written.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& visible,
                      const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                     const std::vector<at::Tensor>& tiles, const std::vector<int64_t>& valid, int64_t n) const;
+                     const std::vector<at::Tensor>& tiles, const std::vector<int64_t>& valid, int64_t n,
+                     const c10::optional<at::Tensor>& norm, double norm_eps) const;
   // a fused forward: the first `verify` rows through these layers (the AR view), the rest through `draft`'s
   // attention projections and q/k norms (the draft view) and these layers' norms and MLP; `forward`'s other arguments
   at::Tensor forward_views(const Stack& draft, int64_t verify, const at::Tensor& x, const at::Tensor& cos,
                            const at::Tensor& sin, const at::Tensor& visible, const std::vector<at::Tensor>& keys,
                            const std::vector<at::Tensor>& values, const std::vector<at::Tensor>& tiles,
-                           const std::vector<int64_t>& valid, int64_t n) const;
+                           const std::vector<int64_t>& valid, int64_t n, const c10::optional<at::Tensor>& norm,
+                           double norm_eps) const;
 
  private:
   at::Tensor run(const Stack* draft, int64_t verify, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                  const at::Tensor& visible, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                 const std::vector<at::Tensor>& tiles, const std::vector<int64_t>& valid, int64_t n) const;
+                 const std::vector<at::Tensor>& tiles, const std::vector<int64_t>& valid, int64_t n,
+                 const c10::optional<at::Tensor>& norm, double norm_eps) const;
 };

@@ -2664,7 +2664,8 @@ template <typename T>
 at::Tensor stack_forward(const Stack& s, const Stack* draft, int64_t verify, const at::Tensor& x, const at::Tensor& cos,
                          const at::Tensor& sin, const at::Tensor& visible, const std::vector<at::Tensor>& keys,
                          const std::vector<at::Tensor>& values, const std::vector<at::Tensor>& tiles,
-                         const std::vector<int64_t>& valid, int64_t n) {
+                         const std::vector<int64_t>& valid, int64_t n, const c10::optional<at::Tensor>& norm,
+                         double norm_eps) {
   StackRun<T> run(s, draft, verify, x, cos, sin, visible, keys, values, tiles, valid, n);
   const int64_t m = run.m;
   int64_t inter = 0, nq = 0;
@@ -2710,14 +2711,25 @@ at::Tensor stack_forward(const Stack& s, const Stack* draft, int64_t verify, con
     counted.panels += run.counts[t].panels;
     counted.taken += run.counts[t].taken;
   }
-  return at::from_blob(run.x.data(), {m, run.hidden}, x.options()).clone();
+  if (!norm.has_value()) return at::from_blob(run.x.data(), {m, run.hidden}, x.options()).clone();
+  // the model's final norm over the last layer's rows: `rms_norm`'s rows, as the norm module would compute them
+  at::Tensor out = at::empty({m, run.hidden}, x.options());
+  const T* xs = run.x.data();
+  const T* w = norm->data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, m, 8, [&](int64_t i0, int64_t i1) {
+    const FlushDenormals flush_here;
+    for (int64_t i = i0; i < i1; ++i) rms_row(xs + i * run.hidden, w, run.hidden, static_cast<float>(norm_eps), o + i * run.hidden);
+  });
+  return out;
 }
 
 at::Tensor Stack::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& visible, const std::vector<at::Tensor>& keys,
                           const std::vector<at::Tensor>& values, const std::vector<at::Tensor>& tiles,
-                          const std::vector<int64_t>& valid, int64_t n) const {
-  return run(nullptr, x.size(0), x, cos, sin, visible, keys, values, tiles, valid, n);
+                          const std::vector<int64_t>& valid, int64_t n, const c10::optional<at::Tensor>& norm,
+                          double norm_eps) const {
+  return run(nullptr, x.size(0), x, cos, sin, visible, keys, values, tiles, valid, n, norm, norm_eps);
 }
 
 // A fused forward: the first `verify` rows through these layers (the AR view), the rest through `draft`'s q/k/v,
@@ -2726,7 +2738,8 @@ at::Tensor Stack::forward(const at::Tensor& x, const at::Tensor& cos, const at::
 at::Tensor Stack::forward_views(const Stack& draft, int64_t verify, const at::Tensor& x, const at::Tensor& cos,
                                 const at::Tensor& sin, const at::Tensor& visible, const std::vector<at::Tensor>& keys,
                                 const std::vector<at::Tensor>& values, const std::vector<at::Tensor>& tiles,
-                                const std::vector<int64_t>& valid, int64_t n) const {
+                                const std::vector<int64_t>& valid, int64_t n,
+                                const c10::optional<at::Tensor>& norm, double norm_eps) const {
   TORCH_CHECK(x.dim() == 2 && verify >= 1 && verify <= x.size(0), "Stack.forward_views: 1 to all rows verified");
   TORCH_CHECK(draft.layers.size() == layers.size(), "Stack.forward_views: a draft view of every layer");
   for (size_t l = 0; l < layers.size(); ++l) {
@@ -2738,13 +2751,14 @@ at::Tensor Stack::forward_views(const Stack& draft, int64_t verify, const at::Te
     for (size_t i = 1; i < 4; ++i) shared = shared && D.packed_out[i].is_same(L.packed_out[i]) && D.bias_out[i].is_same(L.bias_out[i]);
     TORCH_CHECK(shared, "Stack.forward_views: the draft view shares each layer's shapes, norms and MLP");
   }
-  return run(&draft, verify, x, cos, sin, visible, keys, values, tiles, valid, n);
+  return run(&draft, verify, x, cos, sin, visible, keys, values, tiles, valid, n, norm, norm_eps);
 }
 
 at::Tensor Stack::run(const Stack* draft, int64_t verify, const at::Tensor& x, const at::Tensor& cos,
                       const at::Tensor& sin, const at::Tensor& visible, const std::vector<at::Tensor>& keys,
                       const std::vector<at::Tensor>& values, const std::vector<at::Tensor>& tiles,
-                      const std::vector<int64_t>& valid, int64_t n) const {
+                      const std::vector<int64_t>& valid, int64_t n,
+                      const c10::optional<at::Tensor>& norm, double norm_eps) const {
   TORCH_CHECK(!layers.empty(), "Stack.forward: no layers");
   const Layer& first = layers[0];
   const int64_t m = x.size(0), d = first.head_dim, kvh = first.n_in[1] / d;
@@ -2770,6 +2784,11 @@ at::Tensor Stack::run(const Stack* draft, int64_t verify, const at::Tensor& x, c
     }
   TORCH_CHECK(tiles.size() == layers.size() && valid.size() == layers.size(), "Stack.forward: key tiles and their "
               "valid length per layer");
+  if (norm.has_value()) {
+    check_cpu(*norm, "final norm weight");
+    TORCH_CHECK(norm->dim() == 1 && norm->size(0) == x.size(1) && norm->scalar_type() == x.scalar_type(),
+                "Stack.forward: a final norm weight [hidden] of x's dtype");
+  }
   const int64_t steps = x.element_size() == 2 ? (d + 1) / 2 : d;
   for (size_t l = 0; l < layers.size(); ++l) {
     check_cpu(tiles[l], "key tiles");
@@ -2778,6 +2797,7 @@ at::Tensor Stack::run(const Stack* draft, int64_t verify, const at::Tensor& x, c
                 "Stack.forward: key tiles [kv, tiles, steps, 16] int32 for cache + rows positions");
   }
   DISPATCH(x.scalar_type(), "Stack.forward",
-           return stack_forward<scalar>(*this, draft, verify, x, cos, sin, visible, keys, values, tiles, valid, n));
+           return stack_forward<scalar>(*this, draft, verify, x, cos, sin, visible, keys, values, tiles, valid, n, norm,
+                                        norm_eps));
   return at::Tensor();
 }
