@@ -3,12 +3,12 @@
 In exact mode every cycle commits AR's tokens, so what any cycle would commit at any position of a greedy decode
 follows from one record per position: the draft's top candidates at each block position (as the tree cycle drafts
 them there) and prompt lookup's proposal. This benchmark decodes each prompt once with AR, records those at every
-position, and replays policies on the record, each cycle costed as `cycles.predict` costs it from this CPU's
-measured forward costs (`cycles.cached_costs`: forwards of 1 to 40 rows, the draft pass, each cycle's bookkeeping,
-at the prompt's context):
+position, and replays policies on the record, each forward costed as `cycles.predict` costs it from this CPU's
+measured forward costs (`cycles.cached_costs`: forwards of 1 to 40 rows, the draft pass, at the prompt's context),
+with each cycle's bookkeeping (a lookup verified alone builds no tree: the chain's):
 
 - `ar`, and every candidate of the default's choice (a tree of 0 to 32 nodes, lookup of 0, 16 or 32 tokens);
-- `default`: the candidate the default chooses for the prompt (`OrthrusLM.default_choice`), as decoding runs it;
+- `default`: the candidate the default chooses for the prompt at these costs (`cycles.choose`), as decoding runs it;
 - `fallback`: the default, going to AR for FALLBACK_STEPS steps whenever its last WINDOW drafted cycles (lookup's
   cycles aside, which run as they are) predict less than AR's speed: a request's own acceptance, as a sampled
   request's default uses it;
@@ -17,7 +17,7 @@ at the prompt's context):
 
 Per prompt, each policy's predicted speed-up over AR (the prefill aside); the table gives the mean over prompts
 with a bootstrap 95% interval, the least, and the prompts below 1.0x. The replay is checked against decoding: the
-default's replayed cycles and tokens per cycle equal a real decode's (`--check`, on by default, for the first prompts).
+default's replayed tokens per cycle, cycle by cycle, equal a real decode's (`--check`: the first prompts).
 
     python benchmarks/cycle_policy.py --limit 40
 """
@@ -113,8 +113,8 @@ class Replay:
             accepted += 1
         return min(accepted + 1, self.n - made)
 
-    def run(self, choose) -> tuple[float, int]:
-        """(milliseconds, cycles) of the decode after its first token under `choose(p, history)` -> (tree, lookup),
+    def run(self, choose) -> tuple[float, list]:
+        """(milliseconds, history) of the decode after its first token under `choose(p, history)` -> (tree, lookup),
         or None for an AR step; history: [(kind, tokens, ms)] of the cycles so far ("ar", "lookup", "drafted")."""
         p, spent, history = 0, 0.0, []
         while p < self.n - 1:
@@ -126,7 +126,7 @@ class Replay:
                 kind = "lookup" if pick[1] and self.rows[p]["lookup"][1] >= loop.LOOKUP_ALONE else "drafted"
             history.append((kind, tokens, ms))
             spent, p = spent + ms, p + tokens
-        return spent, len(history)
+        return spent, history
 
     def oracle(self, candidates) -> float:
         """The least milliseconds any sequence of AR steps and candidates' cycles takes, every outcome known."""
@@ -179,6 +179,8 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=40)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--check", type=int, default=2, help="prompts whose replay of the default is checked against a decode")
+    ap.add_argument("--costs", default=None, help="a costs file (`~/.cache/lossless/cycles/costs-*.json`) to replay at, "
+                                                  "instead of this CPU's cached costs: memory speed moves them by the hour")
     ap.add_argument("--records", default=None, help="a JSON file of the prompts' records: read where it exists (no "
                                                     "decoding; replayed on this CPU's costs), else written")
     args = ap.parse_args(argv)
@@ -187,8 +189,10 @@ def main(argv=None) -> int:
         prompts = [encode_prompt(model.tokenizer, p["prompt"]) for p in read_prompts(args.suite)[: args.limit]]
         if not prompts:
             raise LosslessError(f"{args.suite}: no prompts")
-        costs = cycles.cached_costs(model)
-    except LosslessError as exc:
+        costs = cycles.cached_costs(model) if args.costs is None else json.loads(Path(args.costs).read_text())
+        if not cycles.valid_costs(costs):
+            raise LosslessError(f"{args.costs}: not a costs file of `lossless costs`")
+    except (LosslessError, OSError, ValueError) as exc:
         print(f"cycle_policy: error: {exc}", file=sys.stderr)
         return 2
     candidates = list(cycles.CANDIDATES)
@@ -196,10 +200,12 @@ def main(argv=None) -> int:
     speedups: dict[str, list[float]] = {name: [] for name in names}
     chosen = []
     kept = Path(args.records) if args.records else None
-    records = json.loads(kept.read_text()) if kept is not None and kept.exists() else None
-    if records is not None and ([r["prompt"] for r in records] != prompts
-                                or any(r["max_new_tokens"] != args.max_new_tokens for r in records)):
-        print(f"cycle_policy: error: {kept} holds other prompts or lengths: give another --records file", file=sys.stderr)
+    held = json.loads(kept.read_text()) if kept is not None and kept.exists() else None
+    records = held["records"] if held is not None else None
+    if held is not None and (held["head"] != model.head_digest or [r["prompt"] for r in records] != prompts
+                             or any(r["max_new_tokens"] != args.max_new_tokens for r in records)):
+        print(f"cycle_policy: error: {kept} holds another head's records, or other prompts or lengths: give another "
+              f"--records file", file=sys.stderr)
         return 2
     made = []
     for i, ids in enumerate(prompts):
@@ -208,17 +214,22 @@ def main(argv=None) -> int:
         replay = Replay(rec, costs)
         if replay.n < 2:
             continue
-        choice = model.default_choice(context=len(ids))
+        choice = (model.default_choice(context=len(ids)) if args.costs is None  # (the default at the given costs)
+                  else cycles.choose(cycles.load_profile(model), costs, context=len(ids)))
         pick = None if choice.mode == "ar" else (choice.tree, choice.lookup)
         chosen.append(cycles.label(*pick) if pick else "AR")
         ar = replay.ar()
         if i < args.check and pick is not None:  # the replay against decoding itself
             state = lossless.decode(model, ids, "orthrus", lossless.DecodeConfig(
                 max_new_tokens=args.max_new_tokens, tree=pick[0], lookup=pick[1]))
-            _, replayed = replay.run(fixed(pick))
-            if state.generated != rec["truth"] or state.stats.steps != replayed:
-                print(f"cycle_policy: error: prompt {i}: the replay ran {replayed} cycles, decoding {state.stats.steps}",
-                      file=sys.stderr)
+            replayed = [tokens for _, tokens, _ in replay.run(fixed(pick))[1]]
+            decoded, done = [], 1  # tokens each cycle committed (a verify may accept drafts past EOS)
+            for accepted in state.stats.accepted:
+                decoded.append(min(accepted + 1, replay.n - done))
+                done += decoded[-1]
+            if state.generated != rec["truth"] or decoded != replayed:
+                print(f"cycle_policy: error: prompt {i}: the replay committed {replayed} tokens a cycle, decoding "
+                      f"{decoded}", file=sys.stderr)
                 return 1
         speedups["ar"].append(1.0)
         speedups["default"].append(ar / replay.run(fixed(pick))[0])
@@ -226,13 +237,15 @@ def main(argv=None) -> int:
         for c in candidates:
             speedups[cycles.label(*c)].append(ar / replay.run(fixed(c))[0])
         speedups["oracle"].append(ar / replay.oracle(candidates))
-        print(f"prompt {i}: {replay.n} tokens, default {speedups['default'][-1]:.2f}x, oracle {speedups['oracle'][-1]:.2f}x",
-              file=sys.stderr)
+        print(f"prompt {i}: {len(ids)} prompt tokens, {replay.n} new, default {speedups['default'][-1]:.2f}x, "
+              f"fallback {speedups['fallback'][-1]:.2f}x, oracle {speedups['oracle'][-1]:.2f}x")
     if kept is not None and records is None:
-        write_atomically(kept, json.dumps(made))
+        write_atomically(kept, json.dumps({"head": model.head_digest, "records": made}))
     summary = {}
     print(f"{args.model} {args.dtype} exact, {len(speedups['ar'])} prompts of {args.suite}, {args.max_new_tokens} tokens, "
-          f"this CPU's costs ({torch.get_num_threads()} threads); the default chose {dict(sorted(_count(chosen).items()))}")
+          f"{'this CPU' if args.costs is None else args.costs}'s costs ({cycles._cost_words(costs)}, a step "
+          f"{cycles.cost_at(costs, 1):.2f} ms, {costs.get('threads')} threads); the default chose "
+          f"{dict(sorted(_count(chosen).items()))}")
     print(f"{'policy':24s} {'vs AR':>7s} {'95% CI':>15s} {'least':>6s} {'below 1':>8s}")
     for name in names:
         xs = speedups[name]
@@ -244,6 +257,7 @@ def main(argv=None) -> int:
               f"{s_['below_1']:4d}/{len(xs)}")
     print(json.dumps({"benchmark": "cycle_policy", "model": args.model, "dtype": args.dtype, "suite": args.suite,
                       "prompts": len(speedups["ar"]), "max_new_tokens": args.max_new_tokens, "window": WINDOW,
+                      "costs": {"step_ms": cycles.cost_at(costs, 1), "rows": costs["rows"], "draft": costs["draft"]},
                       "fallback_steps": FALLBACK_STEPS, "policies": summary}))
     return 0
 

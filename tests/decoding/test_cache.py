@@ -107,6 +107,8 @@ def test_rows_moved_by_the_kernel_are_the_rows_torch_moves(dtype, heads, d, n, d
         kernels.move_rows(buffers, start, rows[::-1] if len(rows) > 1 else [-1])
     with pytest.raises(RuntimeError, match="past"):
         kernels.move_rows(buffers, buffers[0].shape[2], [0])
+    with pytest.raises(RuntimeError, match="overlap"):  # one buffer twice: its rows would move twice
+        kernels.move_rows([buffers[0], buffers[1], buffers[0]], start, rows)
 
 
 def test_a_tree_commit_by_the_kernel_keeps_the_key_tiles_below_it_and_nothing_else():
@@ -124,3 +126,4 @@ def test_a_tree_commit_by_the_kernel_keeps_the_key_tiles_below_it_and_nothing_el
     for layer in cache.layers:
         assert layer._tiles_current() and layer._tiles_valid == 20
     assert not stack_keep_rows(DynamicCache(config=config).layers, 0, [0, 1])
+    assert not stack_keep_rows(cache.layers, 20, [0, 10])  # a row past the cache's end: torch's path refuses it

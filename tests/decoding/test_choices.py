@@ -60,10 +60,24 @@ def test_choices_rank_as_torch_and_give_softmax_probabilities(dtype, m, v, n, sp
     for r in range(m):
         row = x[r].float().tolist()
         assert ids[r].tolist() == ranked(row, n)
-        if all(math.isfinite(t) for t in row):
+        if not any(math.isnan(t) or t == math.inf for t in row) and max(row) > -math.inf:  # (-inf: probability 0)
             want = softmax64(row)
             for j, p in zip(ids[r].tolist(), probs[r].tolist()):
                 assert math.isclose(p, want[j], rel_tol=1e-5, abs_tol=1e-30), (p, want[j])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_choices_rank_subnormal_logits_as_torch_does(dtype):
+    """Selection compares values as they are: subnormal logits rank by size (under the kernels' denormal rule they
+    would all read as zero, and the first would win), and a row of -inf alone has NaN probabilities, as torch's."""
+    x = torch.tensor([[1e-40, 3e-40, 2e-40, 0.0, -1e-40], [-1e-40, -3e-40, -2e-40, -5e-40, -4e-40]]).to(dtype)
+    assert x[0, 1] > x[0, 2] > x[0, 0] > 0  # (subnormal in this dtype, and distinct)
+    for isa in VARIANTS:
+        with kernels.use_isa(isa):
+            ids, probs = kernels.choices(x, 3, probs=True)
+            assert ids.tolist() == [[1, 2, 0], [0, 2, 1]] and torch.equal(ids[:, 0], x.max(dim=-1).indices)
+            _, none = kernels.choices(torch.full((1, 7), float("-inf"), dtype=dtype), 2, probs=True)
+            assert none.isnan().all() and torch.softmax(torch.full((7,), float("-inf")), -1).isnan().all()
 
 
 def test_choices_refuse_what_they_cannot_rank():

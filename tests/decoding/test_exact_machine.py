@@ -209,7 +209,8 @@ def assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, 
     panel of its linear steps run once (with `stall`, its last thread held up that many microseconds before each
     linear step; from a millisecond, some of its panels taken by the others). With `draft` (a draft view's
     layers), a fused forward: the first `verify` rows through `layers`, the rest through `draft`'s, each view's
-    layer calls on its own rows the reference."""
+    layer calls on its own rows the reference. With two threads the stack applies a final norm too, and gives the
+    bits of the norm kernel over the layers' output."""
     panels = sum(p.shape[0] for args in layers for p in (*args[2], *args[10]))
     if draft is not None:
         panels += sum(p.shape[0] for args in draft for p in (*args[2], args[10][0]))
@@ -229,7 +230,9 @@ def assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, 
             rows += [keys[:, :, n:n + m], values[:, :, n:n + m]]
         return [h, *rows]
 
-    def stacked():
+    final_norm = torch.randn(x.shape[1], generator=g).to(dtype)
+
+    def stacked(normed: bool = False):
         stack = kernels.stack()
         for args in layers:
             stack.add(*args)
@@ -245,7 +248,7 @@ def assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, 
             lanes[:, :valid] = words
             t.copy_(lanes.view(t.shape[0], t.shape[1], 16, t.shape[2]).transpose(2, 3))
         args = (x, cos, sin, visible, [b[0] for b in buffers], [b[1] for b in buffers], tiles, [valid] * len(layers), n,
-                None, 0.0)
+                *((final_norm, 1e-5) if normed else (None, 0.0)))
         if draft is None:
             h = stack.forward(*args)
         else:
@@ -259,6 +262,8 @@ def assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, 
         return [h, *(t[:, :, n:n + m] for b in buffers for t in b)]
 
     want = [nan_bits(t) for t in by_layers()]
+    with kernels.use_isa(VARIANTS[0]):
+        want_normed = [nan_bits(kernels.rms_norm(by_layers()[0], final_norm, 1e-5)), *want[1:]]
     assert any(bool(torch.isfinite(t).any()) for t in by_layers())  # not all NaN: the values stay in range
     before = torch.get_num_threads()
     try:
@@ -270,7 +275,7 @@ def assert_stack_matches_layers(dtype, g, x, cos, sin, visible, layers, caches, 
                 with kernels.use_isa(isa), kernels.bf16_path(widened):
                     kernels.ops().set_stack_stall(stall)
                     try:
-                        for i, (a, b) in enumerate(zip(stacked(), want)):
+                        for i, (a, b) in enumerate(zip(stacked(threads == 2), want_normed if threads == 2 else want)):
                             assert torch.equal(nan_bits(a), b), (isa, widened, threads, i)
                         granted, ran, taken = kernels.ops().stack_counts()
                         assert 1 <= granted <= threads and ran == panels, (isa, widened, threads, granted, ran, panels)
@@ -737,7 +742,11 @@ def test_a_hook_on_the_layers_sees_every_forward_of_a_decode(family):
         cache, _ = model.prefill(PROMPTS_FOR_STACK)
         return model.verify(cache, [5, 6, 7])
 
-    unwatched = verify_logits()
+    from lossless.decoding.exact import NormMixin
+
+    with mock.patch.object(NormMixin, "forward", autospec=True, side_effect=NormMixin.forward) as norms:
+        unwatched = verify_logits()
+        assert not [c for c in norms.call_args_list if c.args[0] is backbone.norm]  # (the stack applied it)
     for watched, register in ((backbone, backbone.register_forward_hook), (backbone.norm, backbone.norm.register_forward_hook),
                               (backbone, torch.nn.modules.module.register_module_forward_hook)):
         seen = []

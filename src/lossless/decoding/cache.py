@@ -214,11 +214,13 @@ def stack_keep_rows(layers, start: int, rows: list[int]) -> bool:
     are loaded; False (nothing moved) elsewhere."""
     from . import kernels
 
-    buffers = []
+    if not layers or not kernels.loaded():
+        return False
+    buffers, last = [], start + max(rows, default=-1)
     for layer in layers:
         held = layer._buffers if isinstance(layer, GrowingLayer) else None
-        if held is None or held[0].device.type != "cpu" or not kernels.loaded():
-            return False
+        if held is None or held[0].device.type != "cpu" or last >= min(layer._lengths):
+            return False  # (torch's path, which refuses rows past the cache's end as index_select does)
         buffers.extend(held)
     current = [layer._tiles_current() for layer in layers]
     kernels.move_rows(buffers, start, rows)

@@ -152,9 +152,15 @@ static void move_rows(const std::vector<torch::Tensor>& tensors, int64_t start, 
     TORCH_CHECK(rows[j] >= static_cast<int64_t>(j) && (j == 0 || rows[j] > rows[j - 1]),
                 "move_rows: rows must rise, each at or after its place");
   TORCH_CHECK(start >= 0, "move_rows: start must be >= 0");
-  for (const torch::Tensor& t : tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const torch::Tensor& t = tensors[i];
     TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() == 4, "move_rows: contiguous CPU [b, h, cap, d] tensors");
     TORCH_CHECK(rows.empty() || start + rows.back() < t.size(2), "move_rows: a row past the buffer's end");
+    const char* a = static_cast<const char*>(t.data_ptr());
+    for (size_t j = 0; j < i; ++j) {  // each buffer once: rows moved twice in one would be lost
+      const char* b = static_cast<const char*>(tensors[j].data_ptr());
+      TORCH_CHECK(a + t.nbytes() <= b || b + tensors[j].nbytes() <= a, "move_rows: buffers that overlap");
+    }
   }
   for (const torch::Tensor& t : tensors) {
     const int64_t planes = t.size(0) * t.size(1), cap = t.size(2), bytes = t.size(3) * t.element_size();
