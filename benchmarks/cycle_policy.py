@@ -77,32 +77,16 @@ class Replay:
         row, made = self.rows[p], p + 1
         proposal, matched = row["lookup"]
         proposal = proposal[: min(lookup, self.rec["max_new_tokens"] - made - 1)] if lookup else []
-        children: dict[int, dict[int, int]] = {}
-        rows = 1  # the root
-
-        def add(parent: int, tok: int) -> int:
-            nonlocal rows
-            if (child := children.setdefault(parent, {}).get(tok)) is None:
-                child = children[parent][tok] = rows
-                rows += 1
-            return child
-
         if lookup and matched >= loop.LOOKUP_ALONE and proposal:  # verified alone, without a draft pass
-            node = 0
-            for tok in proposal:
-                node = add(node, tok)
-            return self._accepted(made, children), cycles.cost_at(self.costs, rows) + cycles.bookkeeping_at(self.costs, 0)
+            tokens, _, children = loop.token_tree((), [], proposal)
+            return (self._accepted(made, children),
+                    cycles.cost_at(self.costs, len(tokens) + 1) + cycles.bookkeeping_at(self.costs, 0))
         if "ranks" not in row:  # nothing left to draft: one row
             return 1, cycles.cost_at(self.costs, 1) + cycles.bookkeeping_at(self.costs, 0)
         depth = len(row["ranks"])
         paths = loop.build_tree(tree, row["probs"]) if tree else tuple((0,) * j for j in range(1, depth + 1))
-        node_of = {(): 0}
-        for path in paths:  # parents before children
-            node_of[path] = add(node_of[path[:-1]], row["ranks"][len(path) - 1][path[-1]])
-        node = 0
-        for tok in proposal[: loop.LOOKUP_BESIDE]:  # the branch beside the drafts, sharing their nodes
-            node = add(node, tok)
-        ms = self.costs["draft"] + cycles.cost_at(self.costs, rows) + cycles.bookkeeping_at(self.costs, tree)
+        tokens, _, children = loop.token_tree(paths, row["ranks"], proposal[: loop.LOOKUP_BESIDE])
+        ms = self.costs["draft"] + cycles.cost_at(self.costs, len(tokens) + 1) + cycles.bookkeeping_at(self.costs, tree)
         return self._accepted(made, children), ms
 
     def _accepted(self, made: int, children: dict[int, dict[int, int]]) -> int:

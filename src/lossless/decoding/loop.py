@@ -408,6 +408,28 @@ def orthrus_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k
     return commit(state, [*drafts[:n_accepted], bonus_token], cfg, logits[: n_accepted + 1])
 
 
+def token_tree(paths, ranks: list[list[int]], branch=()) -> tuple[list[int], list[int], dict[int, dict[int, int]]]:
+    """A cycle's token tree: (the tokens of rows 1.., each row's parent row with row 0 the root (the last committed
+    token) first, and each row's children by token) for candidate `paths` (rank tuples, parents before children;
+    `ranks[j][r]` the rank-r candidate at block position j + 1) and a `branch` of tokens after the root, which shares
+    the drafts' rows where it agrees with them."""
+    row_of = {p: i + 1 for i, p in enumerate(paths)}
+    tokens = [ranks[len(p) - 1][p[-1]] for p in paths]
+    parents = [0] + [row_of.get(p[:-1], 0) for p in paths]
+    children: dict[int, dict[int, int]] = {}
+    for row, (parent, tok) in enumerate(zip(parents[1:], tokens), start=1):
+        children.setdefault(parent, {})[tok] = row
+    node = 0
+    for tok in branch:
+        if (row := children.get(node, {}).get(tok)) is None:
+            tokens.append(tok)
+            parents.append(node)
+            row = len(tokens)
+            children.setdefault(node, {})[tok] = row
+        node = row
+    return tokens, parents, children
+
+
 def tree_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, generator,
                branch: list[int] = ()) -> list[int]:
     """One two-pass cycle that verifies a tree of draft candidates (greedy): draft -> choose this cycle's
@@ -427,21 +449,7 @@ def tree_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: i
     else:
         paths = tuple((0,) * j for j in range(1, depth + 1))
         ranks = [[t] for t in argmax(logits).tolist()]
-    row_of = {p: i + 1 for i, p in enumerate(paths)}  # row 0 is the root (the last committed token)
-    tokens = [ranks[len(p) - 1][p[-1]] for p in paths]
-    parents = [0] + [row_of.get(p[:-1], 0) for p in paths]
-    children: dict[int, dict[int, int]] = {}
-    for row, (parent, tok) in enumerate(zip(parents[1:], tokens), start=1):
-        children.setdefault(parent, {})[tok] = row
-    # the branch shares the drafts' nodes where it agrees with them
-    node = 0
-    for tok in branch[: cfg.max_new_tokens - len(state.generated) - 1]:
-        if (row := children.get(node, {}).get(tok)) is None:
-            tokens.append(tok)
-            parents.append(node)
-            row = len(tokens)
-            children.setdefault(node, {})[tok] = row
-        node = row
+    tokens, parents, children = token_tree(paths, ranks, branch[: cfg.max_new_tokens - len(state.generated) - 1])
     # 2. verify: every node in one forward, each seeing the cache and its ancestors; a chain (no tree and
     #    nothing beside it) is the plain causal verify of `orthrus_cycle`, kernels and numerics included
     start = len(state.tokens) - 1  # the cache length: where the root goes
