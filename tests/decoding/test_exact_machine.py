@@ -665,7 +665,7 @@ def test_fused_decoder_layers_give_the_bits_of_the_module_path(family, dtype, da
         cache, first = model.prefill(ids[:split])
         out = [first, model.verify(cache, ids[split:]), model.verify_tree(cache, tree, parents)]
         commit_cache(cache, len(ids) + 1)  # the tree's rows go: the cache holds the ids
-        out += model.verify_and_draft(cache, block, anchors, 3)
+        out += [model.draft(cache, tree[0], 4), *model.verify_and_draft(cache, block, anchors, 3)]
         return out + [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
     with StackCalls(model) as stacked:
@@ -675,7 +675,7 @@ def test_fused_decoder_layers_give_the_bits_of_the_module_path(family, dtype, da
             fused = run()
         with layer_modules():
             modules = run()
-    assert stacked == [split, len(ids) - split, len(tree), (len(block), 4 * len(anchors))]  # every forward, one call
+    assert stacked == [split, len(ids) - split, len(tree), 4, (len(block), 4 * len(anchors))]  # one call each
     assert layer_in.call_count == 3 * model.config.num_hidden_layers  # layer by layer: every AR forward's layers
     for i, (a, b, c) in enumerate(zip(whole, fused, modules)):
         assert torch.equal(bits(a), bits(c)) and torch.equal(bits(b), bits(c)), i
@@ -727,36 +727,48 @@ def test_the_layer_stack_follows_head_weights_changed_in_place_or_replaced(famil
 PROMPTS_FOR_STACK = [3, 9, 14, 15, 22, 40, 41, 2]
 
 
-def test_a_hook_on_the_layers_sees_every_forward_of_a_decode(family):
-    """Decoding calls the layer stack without the module call, and the stack applies the final norm itself, where
-    nothing watches; a forward hook on the backbone's layers or on its final norm (or on every module) still sees
-    each forward, and the tokens and logits stay the same to the bit."""
+@pytest.mark.parametrize("cycle", [dict(), dict(tree=4, lookup=8)], ids=["chain", "tree+lookup"])
+def test_a_hook_on_the_layers_sees_every_forward_of_a_decode(family, cycle):
+    """Decoding calls the layer stack without the module calls around it (the layers, the embedding, the rotary
+    embedding), and the stack applies the final norm itself, where nothing watches; a forward hook on the
+    backbone's layers, its final norm, its embedding or its rotary embedding (or on every module) still sees each
+    call the module path makes, and the tokens and logits stay the same to the bit."""
+    from lossless.decoding.exact import NormMixin, RotaryTableMixin, layer_modules
+
     model = OrthrusLM(tiny_backbone(family), k=4)
     perturb_head(model, 0.3)
     model.set_attn("exact")
-    cfg = DecodeConfig(max_new_tokens=12, eos_ids=NO_EOS)
-    plain = decode(model, PROMPTS_FOR_STACK, "orthrus", cfg)
+    cfg = DecodeConfig(max_new_tokens=12, eos_ids=NO_EOS, **cycle)
     backbone = model.backbone.model
+    spies = [mock.patch.object(cls, "forward", autospec=True, side_effect=cls.forward)
+             for cls in (NormMixin, RotaryTableMixin)]
+    with spies[0] as norms, spies[1] as rotary:
+        plain = decode(model, PROMPTS_FOR_STACK, "orthrus", cfg)
+        assert not [c for c in norms.call_args_list if c.args[0] is backbone.norm]  # (the stack applied it)
+        assert rotary.call_count == 0  # (the stack's rows read the table itself)
 
     def verify_logits():
         cache, _ = model.prefill(PROMPTS_FOR_STACK)
         return model.verify(cache, [5, 6, 7])
 
-    from lossless.decoding.exact import NormMixin
-
-    with mock.patch.object(NormMixin, "forward", autospec=True, side_effect=NormMixin.forward) as norms:
-        unwatched = verify_logits()
-        assert not [c for c in norms.call_args_list if c.args[0] is backbone.norm]  # (the stack applied it)
+    unwatched = verify_logits()
     for watched, register in ((backbone, backbone.register_forward_hook), (backbone.norm, backbone.norm.register_forward_hook),
+                              (backbone.embed_tokens, backbone.embed_tokens.register_forward_hook),
+                              (backbone.rotary_emb, backbone.rotary_emb.register_forward_hook),
                               (backbone, torch.nn.modules.module.register_module_forward_hook)):
         seen = []
         handle = register(lambda module, args, out, watched=watched: seen.append(module) if module is watched else None)
         try:
             hooked = decode(model, PROMPTS_FOR_STACK, "orthrus", cfg)
+            calls = len(seen)
+            with layer_modules():  # module by module: every call the module path makes
+                assert decode(model, PROMPTS_FOR_STACK, "orthrus", cfg).generated == plain.generated
+            assert hooked.generated == plain.generated and calls == len(seen) - calls > 0, watched
             assert torch.equal(verify_logits(), unwatched)
         finally:
             handle.remove()
-        assert hooked.generated == plain.generated and len(seen) == hooked.stats.forwards + 2  # (prefill counted)
+        if watched is backbone:
+            assert calls == hooked.stats.forwards  # (the prefill counted)
 
 
 def test_a_decode_call_checks_each_stacks_weights_at_its_first_forward_only(family):

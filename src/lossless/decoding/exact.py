@@ -227,19 +227,32 @@ class RotaryTableMixin:
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
         if _STOCK.get():
             return super().forward(x, position_ids, *args, **kwargs)
-        tables = self.__dict__.setdefault("_lossless_tables", {})
         one = int(position_ids) if position_ids.numel() == 1 else None  # a decode step's one position
         need = one + 1 if one is not None else int(position_ids.max()) + 1 if position_ids.numel() else 1
-        key = (x.dtype, x.device)
-        if key not in tables or tables[key][0].shape[0] < need:
-            size = max(self._lossless_positions, 1 << max(need - 1, 1).bit_length())
-            cos, sin = kernels.rotary_table(self._lossless_inv_freq, size, self._lossless_scaling)
-            tables[key] = (cos.to(device=x.device, dtype=x.dtype), sin.to(device=x.device, dtype=x.dtype))
-        cos, sin = tables[key]
+        cos, sin = self.lossless_table(need, x)
         if one is not None and one >= 0:  # its rows as views, [1, 1, d] (indexing would copy them)
             return cos[one:one + 1].expand(position_ids.shape + cos.shape[1:]), \
                 sin[one:one + 1].expand(position_ids.shape + sin.shape[1:])
         return cos[position_ids], sin[position_ids]
+
+    def lossless_table(self, need: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables (cos, sin) [positions, d] in `like`'s dtype and device, holding at least `need` positions."""
+        tables = self.__dict__.setdefault("_lossless_tables", {})
+        key = (like.dtype, like.device)
+        if key not in tables or tables[key][0].shape[0] < need:
+            size = max(self._lossless_positions, 1 << max(need - 1, 1).bit_length())
+            cos, sin = kernels.rotary_table(self._lossless_inv_freq, size, self._lossless_scaling)
+            tables[key] = (cos.to(device=like.device, dtype=like.dtype), sin.to(device=like.device, dtype=like.dtype))
+        return tables[key]
+
+    def lossless_rows(self, start: int, q: int, depth: list[int] | None, like: torch.Tensor):
+        """(cos, sin) [q, d] of positions start..start+q-1 (views of the tables), or of start + depth[i] (a tree's
+        rows): `forward`'s rows for those positions, without the position tensor."""
+        cos, sin = self.lossless_table(start + (q if depth is None else max(depth, default=-1) + 1), like)
+        if depth is None:
+            return cos.narrow(0, start, q), sin.narrow(0, start, q)
+        index = torch.tensor(depth, dtype=torch.long, device=cos.device) + start
+        return cos.index_select(0, index), sin.index_select(0, index)
 
 
 _NONE = torch.empty(0)  # "no bias" / "no norm" for the layer kernels
@@ -398,7 +411,7 @@ class FusedStackMixin:
         """The forward's last hidden states [q, d] (one sequence): `self(...).last_hidden_state[0]`, without the
         module call and its output object where the stack runs it and nothing asks to see the forward (a forward
         hook on this module or on every module, or a `forward` of its own on this instance)."""
-        if not (self._forward_hooks or self._forward_pre_hooks or "forward" in self.__dict__ or _GLOBAL_HOOKS()):
+        if not (_watched(self) or _GLOBAL_HOOKS()):
             hidden = self._lossless_stack_forward(input_ids, attention_mask, position_ids, cache, inputs_embeds, kwargs)
             if hidden is not None:
                 return hidden
@@ -429,29 +442,82 @@ class FusedStackMixin:
             stacks = (self._lossless_stack(draft is not None),)
         if stacks[-1] is None:  # the draft view has parts the layer kernels do not run
             return None
-        q, attn = embeds.shape[1], layers[0].self_attn
+        q = embeds.shape[1]
+        v = draft.verify_rows if views else 0 if draft is not None else q  # the rows the cache keeps
+        if v > q:
+            return None
+        device = embeds.device
+
+        def visibility(n: int) -> torch.Tensor:
+            if views:  # verify rows as a verify pass sees, then the groups under their mask (all: no mask)
+                visible = torch.zeros(q, n + q, dtype=torch.bool, device=device)
+                visible[:v, : n + v] = _visibility(draft.verify_mask, v, n + v, device)  # as the module path
+                visible[v:] = _visibility(draft.context_mask, q - v, n + q, device, causal=False)
+                return visible
+            if draft is not None:  # the draft view: the cache and its own rows, all visible, the cache as it was
+                return torch.ones(q, n + q, dtype=torch.bool, device=device)
+            return _visibility(attention_mask, q, n + q, device)
+
+        rotary = lambda: self.rotary_emb(embeds, position_ids=position_ids)  # noqa: E731
+        return self._lossless_call(stacks, embeds[0], rotary, visibility, cache, v)
+
+    def lossless_rows(self, cache, start: int, ids=None, embeds: torch.Tensor | None = None,
+                      depth: list[int] | None = None, visible: torch.Tensor | None = None,
+                      draft: bool = False) -> torch.Tensor | None:
+        """A decode forward's last hidden states [q, d] from one stack call, without the module calls around it:
+        token `ids` (a list, or a tensor of q ids) through the embedding, or `embeds` [q, d]; at positions
+        start..start+q-1, or start + depth[i] (a tree's rows); the AR view, each row seeing the cache and the
+        rows `visible` [q, cache + q] bool says (None: causal), its rows kept by the cache; or (`draft`) the draft
+        view, every row seeing the cache and all rows, the cache left as it was. The same bits and the same cache
+        as the module path with the matching position ids and mask (`self(...)`, what `lossless_hidden` runs).
+
+        None where that path must run instead: something watches this module, its embedding, its rotary
+        embedding or every module (a hook, or an instance `forward`), gradients are on, the module path is
+        forced, or the stack does not apply to this forward."""
+        embed, rotary = self.embed_tokens, self.rotary_emb
+        if (cache is None or torch.is_grad_enabled() or _MODULES.get() or _STOCK.get() or (ids is None) == (embeds is None)
+                or not isinstance(rotary, RotaryTableMixin) or _watched(self) or _watched(rotary)
+                or (ids is not None and _watched(embed)) or _GLOBAL_HOOKS() or len(cache.layers) != len(self.layers)
+                or (draft and (visible is not None or cache.get_seq_length() == 0))):  # (a draft reads a cache)
+            return None
+        stacks = (self._lossless_stack(draft),)
+        if stacks[0] is None:
+            return None
+        if ids is not None:
+            ids = ids.reshape(-1) if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long)
+            embeds = embed.forward(ids)
+        q = embeds.shape[0]
+        if embeds.dim() != 2 or (depth is not None and len(depth) != q):
+            return None
+        device = embeds.device
+
+        def visibility(n: int) -> torch.Tensor:
+            if draft:
+                return torch.ones(q, n + q, dtype=torch.bool, device=device)
+            if visible is None:
+                return _visibility(None, q, n + q, device)
+            return visible if visible.shape == (q, n + q) else _visibility(visible[None, None], q, n + q, device)
+
+        return self._lossless_call(stacks, embeds, lambda: rotary.lossless_rows(start, q, depth, embeds), visibility,
+                                   cache, 0 if draft else q)
+
+    def _lossless_call(self, stacks: tuple, embeds: torch.Tensor, rotary, visibility, cache, v: int):
+        """The stack call of a forward of rows `embeds` [q, d] (the first `v` kept by the cache; a fused forward's
+        two stacks, its draft rows from v on): room for them in the cache, `rotary()`'s (cos, sin), the rows'
+        `visibility(n)` after the cache's n positions; the cache's new length and key tiles after it. The last
+        hidden states [q, d], or None where the cache holds no room the stack can write."""
+        q, attn = embeds.shape[0], self.layers[0].self_attn
         like = lambda: embeds.new_empty(1, self.config.num_key_value_heads, 0, attn.head_dim)  # noqa: E731
         steps = (attn.head_dim + 1) // 2 if embeds.element_size() == 2 else attn.head_dim
         room = stack_room(cache.layers, q, like, steps)
         if room is None:
             return None
         n, buffers, tiles = room
-        v = draft.verify_rows if views else 0 if draft is not None else q  # the rows the cache keeps
-        if v > q:
-            return None
-        cos, sin = self.rotary_emb(embeds, position_ids=position_ids)
-        if views:  # verify rows as a verify pass sees, then the groups under their mask (all: no mask)
-            visible = torch.zeros(q, n + q, dtype=torch.bool, device=embeds.device)
-            visible[:v, : n + v] = _visibility(draft.verify_mask, v, n + v, embeds.device)  # as the module path
-            visible[v:] = _visibility(draft.context_mask, q - v, n + q, embeds.device, causal=False)
-        elif draft is not None:  # the draft view: the cache and its own rows, all visible, the cache left as it was
-            visible = torch.ones(q, n + q, dtype=torch.bool, device=embeds.device)
-        else:
-            visible = _visibility(attention_mask, q, n + q, embeds.device)
+        cos, sin = rotary()
         norm = _final_norm(self.norm, embeds)  # (the stack applies the final norm itself where nothing watches it)
-        args = (embeds[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(), visible, buffers[0], buffers[1],
-                tiles[0], tiles[1], n, *norm)
-        if views and v < q:
+        args = (embeds.contiguous(), cos.reshape(q, -1).contiguous(), sin.reshape(q, -1).contiguous(), visibility(n),
+                buffers[0], buffers[1], tiles[0], tiles[1], n, *norm)
+        if len(stacks) > 1 and v < q:
             hidden = stacks[0].forward_views(stacks[1], v, *args)
         else:
             hidden = stacks[0].forward(*args)
@@ -484,11 +550,16 @@ def _final_norm(norm: torch.nn.Module, like: torch.Tensor) -> tuple[torch.Tensor
     it or on every module, no `forward` of its own on the instance), a weight of the rows' dtype and device; else
     (None, 0.0) and the module runs."""
     weight = getattr(norm, "weight", None)
-    if (isinstance(norm, NormMixin) and not (norm._forward_hooks or norm._forward_pre_hooks or "forward" in norm.__dict__)
+    if (isinstance(norm, NormMixin) and not _watched(norm)
             and isinstance(weight, torch.Tensor) and weight.dtype == like.dtype and weight.device == like.device
             and weight.dim() == 1 and weight.is_contiguous() and not weight.is_meta and not _GLOBAL_HOOKS()):
         return weight, float(norm.variance_epsilon)
     return None, 0.0
+
+
+def _watched(module: torch.nn.Module) -> bool:
+    """Whether a call of `module` would run more than its class's `forward`: a hook, or a `forward` of its own."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
 
 
 def _GLOBAL_HOOKS() -> bool:

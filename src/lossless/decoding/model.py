@@ -225,11 +225,16 @@ class OrthrusLM(nn.Module):
     def new_cache(self) -> DynamicCache:
         return growing_cache(self.config)
 
-    def _lm_forward(self, ids: torch.Tensor, pos: int, cache: DynamicCache, last_only: bool = False) -> torch.Tensor:
-        """AR view over `ids` [1, q] at positions pos..pos+q-1, appending to `cache`. Returns logits [q, V]
-        (or [1, V] for the last position only, which spares a prefill the LM head on every row)."""
-        position_ids = torch.arange(pos, pos + ids.shape[1], device=self.device)[None]
-        hidden = self._hidden(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True)[None]
+    def _lm_forward(self, ids: torch.Tensor | list[int], pos: int, cache: DynamicCache,
+                    last_only: bool = False) -> torch.Tensor:
+        """AR view over `ids` ([1, q], or a list of q) at positions pos..pos+q-1, appending to `cache`. Returns
+        logits [q, V] (or [1, V] for the last position only, which spares a prefill the LM head on every row)."""
+        hidden = self._stack_rows(cache, pos, ids=ids)
+        if hidden is None:
+            ids = ids if isinstance(ids, torch.Tensor) else torch.tensor([ids], device=self.device)
+            position_ids = torch.arange(pos, pos + ids.shape[1], device=self.device)[None]
+            hidden = self._hidden(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True)
+        hidden = hidden[None]
         # (the backbone's layers, then its LM head, as its own forward runs them)
         return self.backbone.lm_head(hidden[:, -1:] if last_only else hidden)[0]
 
@@ -240,6 +245,14 @@ class OrthrusLM(nn.Module):
         if isinstance(layers, exact.FusedStackMixin):
             return layers.lossless_hidden(**kwargs)
         return layers(**kwargs).last_hidden_state[0]
+
+    def _stack_rows(self, cache: DynamicCache, start: int, **rows) -> torch.Tensor | None:
+        """Exact mode's layer stack over a decode forward's rows, with no module call on the way
+        (`FusedStackMixin.lossless_rows`): last hidden states [q, d], or None where the module path runs."""
+        layers = self.backbone.model
+        if isinstance(layers, exact.FusedStackMixin):
+            return layers.lossless_rows(cache, start, **rows)
+        return None
 
     @torch.no_grad()
     def prefill(self, prompt_ids: list[int]) -> tuple[DynamicCache, torch.Tensor]:
@@ -275,9 +288,7 @@ class OrthrusLM(nn.Module):
     @torch.no_grad()
     def verify(self, cache: DynamicCache, block_ids: list[int]) -> torch.Tensor:
         """AR view over `block_ids`, which start at position cache length. Returns logits [len(block), V]."""
-        pos = cache.get_seq_length()
-        ids = torch.tensor([block_ids], device=self.device)
-        return self._lm_forward(ids, pos, cache)
+        return self._lm_forward(block_ids, cache.get_seq_length(), cache)
 
     @torch.no_grad()
     def step(self, cache: DynamicCache, token: int) -> torch.Tensor:
@@ -291,11 +302,13 @@ class OrthrusLM(nn.Module):
         itself; every row is appended to the cache (`keep_cache_rows` keeps a path). Returns logits [len(ids), V]."""
         pos = cache.get_seq_length()
         visible, depth = tree_visibility(parents, pos)
-        position_ids = torch.tensor([[pos + d for d in depth]], device=self.device)
-        # exact mode reads which keys a row sees as they are; other kernels take the additive mask
-        mask = visible[None, None] if self.attn == EXACT else additive_mask(visible, self.dtype).to(self.device)
-        hidden = self._hidden(input_ids=torch.tensor([ids], device=self.device), position_ids=position_ids,
-                              attention_mask=mask, cache=cache, use_cache=True)
+        hidden = self._stack_rows(cache, pos, ids=ids, depth=depth, visible=visible)
+        if hidden is None:
+            position_ids = torch.tensor([[pos + d for d in depth]], device=self.device)
+            # exact mode reads which keys a row sees as they are; other kernels take the additive mask
+            mask = visible[None, None] if self.attn == EXACT else additive_mask(visible, self.dtype).to(self.device)
+            hidden = self._hidden(input_ids=torch.tensor([ids], device=self.device), position_ids=position_ids,
+                                  attention_mask=mask, cache=cache, use_cache=True)
         return self.backbone.lm_head(hidden)
 
     @staticmethod
@@ -346,8 +359,11 @@ class OrthrusLM(nn.Module):
         pos = cache.get_seq_length()
         length_before = pos
         embeds = self.block_embeddings(torch.tensor([last_token], device=self.device), k)
-        position_ids = torch.arange(pos, pos + k, device=self.device).unsqueeze(0)
-        logits = self.draft_hidden(embeds, position_ids, cache)
+        hidden = self._stack_rows(cache, pos, embeds=embeds[0], draft=True)
+        if hidden is not None:
+            logits = self.draft_logits(hidden)
+        else:
+            logits = self.draft_hidden(embeds, torch.arange(pos, pos + k, device=self.device).unsqueeze(0), cache)
         assert cache.get_seq_length() == length_before, "the draft pass must not write the cache"
         return logits[: k - 1]
 
