@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import decimal
 import hashlib
+import logging
 import math
 import os
 import platform
@@ -113,13 +114,22 @@ def _resolve(name: str | None) -> str:
     if name is None:
         if not runnable:
             raise LosslessError("exact mode needs a CPU with fma (x86-64) or AArch64; use --attn sdpa")
-        return runnable[0]
+        usable = usable_isas()
+        if not usable:
+            raise LosslessError("exact mode's kernels compute other bits on this CPU than on every other machine "
+                                f"(every variant failed its self-check: {self_check_failures()}); use --attn sdpa")
+        return usable[0]
     if name not in ISAS:
         raise LosslessError(f"{ISA_ENV}={name} is not a kernel variant: choose one of {', '.join(ISAS)}")
     if name not in runnable:
         why = f"{amx_refusal()}; " if name == "amx" and _NEEDS["amx"] <= cpu_flags() else ""
         raise LosslessError(f"{ISA_ENV}={name}: this CPU cannot run that variant ({why}it can run "
                             f"{', '.join(runnable) or 'none'})")
+    failed = self_check_failures()
+    if name in failed:
+        raise LosslessError(f"{ISA_ENV}={name}: that variant computes other bits on this CPU than every other machine "
+                            f"(self-check {failed[name]}, expected {SELF_CHECK}); unset it to use "
+                            f"{', '.join(usable_isas()) or 'stock kernels (--attn sdpa)'}")
     return name
 
 
@@ -160,11 +170,125 @@ def build_dir(cflags: list[str] = CFLAGS) -> Path:
 def extension():
     """The compiled extension, every variant in it (built once per machine and source, then loaded). Each
     variant that can compute bf16 products two ways (the dot-product instruction, or widened fp32 fmas: the same
-    bits) times both once here and takes the faster."""
+    bits) times both once here and takes the faster. Each variant this CPU runs passes `self_check` here, or is
+    not used (a one-line warning says so; naming it is refused)."""
     ext = _compiled()
+    _FAILED.clear()
     for name in runnable_isas():
-        getattr(ext, name).choose_bf16_path()
+        variant = getattr(ext, name)
+        variant.choose_bf16_path()
+        got = self_check(variant)
+        if got != SELF_CHECK:
+            _FAILED[name] = got
+            logging.getLogger("lossless").warning(
+                f"exact kernels: the {name} variant computes other bits on this CPU than every other machine (self-check "
+                f"{got}, expected {SELF_CHECK}); it is not used")
     return ext
+
+
+# What every kernel variant computes from the self-check's fixed inputs (`self_check`), on every machine, AMX's
+# tiles included. A kernel that changes its order of operations changes it: tests/decoding/test_self_check.py
+# then prints the new value to record here.
+SELF_CHECK = "ad1afcaf51fc1371"
+_FAILED: dict[str, str] = {}  # the variants whose self-check gave another value here: name -> that value
+
+
+def self_check_failures() -> dict[str, str]:
+    """The variants this CPU runs whose self-check failed (builds the kernels): name -> the value they gave."""
+    extension()
+    return dict(_FAILED)
+
+
+def usable_isas() -> list[str]:
+    """`runnable_isas()` less the variants whose self-check failed here: the ones exact mode may use."""
+    failed = self_check_failures()
+    return [name for name in runnable_isas() if name not in failed]
+
+
+def _check_values(shape: tuple[int, ...], dtype: torch.dtype, seed: int, top: int = 0) -> torch.Tensor:
+    """Fixed values for the self-check, made from integers (no random generator, no conversion of a rounding
+    kind, so the same bits on every machine): both signs, 7 significant bits, magnitudes 2^(top-8) to 2^(top+1),
+    one in 61 a subnormal of the dtype and one in 53 a zero."""
+    count = math.prod(shape)
+    i = np.arange(count, dtype=np.int64) + 7919 * seed
+    mantissa = (i * 40503 + 12345) % 255 - 127  # -127..127: exact in bf16, fp16 and fp32
+    value = mantissa.astype(np.float64) * np.exp2(((i * 2971) % 9 - 8 + top - 6).astype(np.float64))
+    tiny = {torch.bfloat16: 2.0 ** -133, torch.float16: 2.0 ** -24, torch.float32: 2.0 ** -140}[dtype]
+    value = np.where(i % 61 == 7, mantissa * tiny, np.where(i % 53 == 3, 0.0, value))
+    if dtype == torch.float16:
+        out = torch.from_numpy(value.astype(np.float16))
+    else:
+        words = value.astype(np.float32).view(np.uint32)  # (exact: bf16's are the upper halves)
+        out = torch.from_numpy(words.astype(np.int32)).view(torch.float32) if dtype == torch.float32 else \
+            torch.from_numpy((words >> 16).astype(np.uint16).view(np.int16)).view(torch.bfloat16)
+    return out.reshape(shape)
+
+
+def _check_digest(variant) -> str:
+    """sha256 (16 hex digits) of what `variant` computes from the self-check's inputs, in fp32, bf16 and fp16:
+    linear layers of 1 to 32 rows (every block shape), bf16's product-sums from a start, attention, RMSNorm,
+    SiLU, a tree's choices, and a layer stack of one decoder layer (q/k norms, biases, key tiles made from the
+    keys) over a cache, one row and a causal block of 9, with the final norm."""
+    digest = hashlib.sha256()
+
+    def add(t: torch.Tensor) -> None:
+        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+    hidden, d, heads, kv, inter, n = 37, 10, 4, 2, 45, 20
+    for code, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16)):
+        seed = iter(range(100 * code, 100 * code + 100))
+        make = lambda shape, top=0: _check_values(shape, dtype, next(seed), top)  # noqa: E731
+        w, bias = make((70, 301), -3), make((70,))
+        packed = pack_weight(w)
+        for rows in (1, 3, 4, 5, 9, 13, 16, 17, 29, 32):
+            add(variant.linear(make((rows, 301)), packed, 70, bias if rows % 2 else None))
+        if dtype == torch.bfloat16:
+            add(variant.linear_sums(make((9, 301)), packed, 70, make((9, 70)).float()))
+        q, k, v = make((9, 6, 40), -2), make((2, 70, 40)), make((2, 70, 40))
+        visible = torch.from_numpy((np.arange(9 * 70) * 37 % 10 < 7).reshape(9, 70))
+        add(variant.attention(q, k, v, visible, 0.2))
+        add(variant.rms_norm(make((9, 301)), make((301,)), 1e-5))
+        add(variant.silu(make((301,), 3)))
+        top, probs = variant.choices(make((7, 300), 3), 8, True)
+        add(top)
+        add(probs)
+        shapes_in, shapes_out = [(heads * d, hidden), (kv * d, hidden), (kv * d, hidden)], \
+            [(hidden, heads * d), (inter, hidden), (inter, hidden), (hidden, inter)]
+        stack = variant.Stack()
+        stack.add(make((hidden,)), 1e-5, [pack_weight(make(s, -3)) for s in shapes_in], [make((s[0],)) for s in shapes_in],
+                  [s[0] for s in shapes_in], make((d,)), make((d,)), 1e-6, d, d ** -0.5,
+                  [pack_weight(make(s, -3)) for s in shapes_out], [make((s[0],)) for s in shapes_out],
+                  [s[0] for s in shapes_out], make((hidden,)), 1e-5)
+        for rows in (1, 9):
+            cap = n + rows + 3
+            keys, values = make((1, kv, cap, d)), make((1, kv, cap, d))
+            tiles = torch.zeros(kv, -(-cap // 16), d if dtype == torch.float32 else (d + 1) // 2, 16, dtype=torch.int32)
+            causal = torch.ones(rows, n + rows, dtype=torch.bool).tril(n)
+            add(stack.forward(make((rows, hidden)), make((rows, d), -8), make((rows, d), -8), causal, [keys], [values],
+                              [tiles], [0], n, make((hidden,)), 1e-5))
+            add(keys[:, :, n:n + rows])
+            add(values[:, :, n:n + rows])
+    return digest.hexdigest()[:16]
+
+
+def self_check(variant) -> str:
+    """`_check_digest` of `variant` (a variant's kernels, e.g. `extension().avx2`) under every setting that
+    changes its speed and not its bits (bf16 by the dot-product instruction and widened, tall blocks and blocks
+    of 4 rows, AMX tiles from one row and never): that value where all agree, else the values joined by '/'."""
+    widened = variant.bf16_widened()
+    tiles = variant.amx_min_rows()
+    values = []
+    try:
+        for wide, tall, amx in ((False, True, 0), (True, True, 0), (False, False, 0), (False, True, 1)):
+            variant.set_widen_bf16(wide)
+            variant.set_tall_blocks(tall)
+            variant.set_amx_rows(amx)
+            values.append(_check_digest(variant))
+    finally:
+        variant.set_widen_bf16(widened)
+        variant.set_tall_blocks(True)
+        variant.set_amx_rows(tiles)
+    return "/".join(dict.fromkeys(values))
 
 
 def amx_min_rows() -> int | None:
