@@ -771,6 +771,26 @@ def test_a_hook_on_the_layers_sees_every_forward_of_a_decode(family, cycle):
             assert calls == hooked.stats.forwards  # (the prefill counted)
 
 
+def test_rows_the_stack_does_not_take_go_the_module_path(family):
+    """`lossless_rows` declines (None: the module path runs) a batch of sequences, no rows, a depth per row that
+    does not match the rows, a draft pass over an empty cache, and any forward while gradients are on."""
+    model = OrthrusLM(tiny_backbone(family), k=4)
+    model.set_attn("exact")
+    backbone = model.backbone.model
+    cache, _ = model.prefill(PROMPTS_FOR_STACK)
+    n = cache.get_seq_length()
+    assert backbone.lossless_rows(cache, n, ids=[3]) is None  # (gradients on, as outside the model's passes)
+    with torch.no_grad():
+        embeds = backbone.embed_tokens(torch.tensor([3, 4]))
+        assert backbone.lossless_rows(cache, n, ids=torch.tensor([[3, 4], [5, 6]])) is None
+        assert backbone.lossless_rows(cache, n, ids=[]) is None
+        assert backbone.lossless_rows(cache, n, ids=[3, 4], depth=[0]) is None
+        assert backbone.lossless_rows(model.new_cache(), 0, embeds=embeds, draft=True) is None
+        assert cache.get_seq_length() == n  # (nothing ran)
+        hidden = backbone.lossless_rows(cache, n, ids=torch.tensor([[3, 4]]))
+    assert hidden.shape == (2, model.config.hidden_size) and cache.get_seq_length() == n + 2
+
+
 def test_a_decode_call_checks_each_stacks_weights_at_its_first_forward_only(family):
     """Within a decode call the weights are fixed: the AR stack and the draft view's stack each check their weights
     once (at their first forward), however many forwards the call runs; outside one, every forward checks."""

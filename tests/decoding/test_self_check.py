@@ -85,6 +85,7 @@ def test_one_wrong_bit_in_any_kernel_changes_the_value(kernel):
 
 
 def test_a_variant_that_fails_it_is_not_used_and_naming_it_is_refused_in_one_line(monkeypatch, caplog):
+    monkeypatch.delenv(kernels.ISA_ENV, raising=False)
     best = VARIANTS[0]
     real = kernels.self_check
     monkeypatch.setattr(kernels, "self_check", lambda v: "0123456789abcdef" if v is getattr(kernels._compiled(), best)
@@ -109,8 +110,12 @@ def test_a_variant_that_fails_it_is_not_used_and_naming_it_is_refused_in_one_lin
         kernels._resolve.cache_clear()
         with pytest.raises(LosslessError, match="every variant failed its self-check.*use --attn sdpa$"):
             kernels.isa()
+        # a variant whose calls raise here is not used either, and the others load
+        monkeypatch.setattr(kernels, "self_check", lambda v: 1 / 0 if v is getattr(kernels._compiled(), best) else real(v))
+        kernels.extension.cache_clear()
+        assert kernels.self_check_failures() == {best: "ZeroDivisionError: division by zero"}
     finally:
         monkeypatch.undo()
         kernels.extension.cache_clear()
         kernels._resolve.cache_clear()
-        assert kernels.self_check_failures() == {}  # (the kernels as they were, for the tests after this one)
+    assert kernels.self_check_failures() == {}  # (the kernels as they were, for the tests after this one)

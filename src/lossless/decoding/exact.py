@@ -484,10 +484,12 @@ class FusedStackMixin:
         if stacks[0] is None:
             return None
         if ids is not None:
+            if isinstance(ids, torch.Tensor) and (ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1)):
+                return None  # (a batch of sequences: the module path)
             ids = ids.reshape(-1) if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long)
             embeds = embed.forward(ids)
         q = embeds.shape[0]
-        if embeds.dim() != 2 or (depth is not None and len(depth) != q):
+        if embeds.dim() != 2 or q == 0 or (depth is not None and len(depth) != q):
             return None
         device = embeds.device
 
@@ -515,7 +517,8 @@ class FusedStackMixin:
         n, buffers, tiles = room
         cos, sin = rotary()
         norm = _final_norm(self.norm, embeds)  # (the stack applies the final norm itself where nothing watches it)
-        args = (embeds.contiguous(), cos.reshape(q, -1).contiguous(), sin.reshape(q, -1).contiguous(), visibility(n),
+        args = (embeds.contiguous(), cos.reshape(q, cos.shape[-1]).contiguous(), sin.reshape(q, sin.shape[-1]).contiguous(),
+                visibility(n),
                 buffers[0], buffers[1], tiles[0], tiles[1], n, *norm)
         if len(stacks) > 1 and v < q:
             hidden = stacks[0].forward_views(stacks[1], v, *args)
