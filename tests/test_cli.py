@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import lossless
+from lossless.decoding import kernels
 from lossless.decoding.exact import cpu_multiplies_natively
 from conftest import save_tiny_model_dir, tiny_orthrus
 from lossless.cli import main
@@ -224,7 +225,8 @@ def test_generate_json_prints_a_parseable_last_line_that_matches_the_library(dir
     native_bf16 = cpu_multiplies_natively(torch.bfloat16)
     assert out["orthrus"]["config"] == {"dtype": "bf16" if native_bf16 else "fp32", "attn": "exact", "exact": True,
                                         "mode": "orthrus", "cycle": "two-pass", "k": 8, "tree": 0, "lookup": 16,
-                                        "choice": None}  # an untrained head: its chain, chosen by no costs
+                                        "choice": None,  # an untrained head: its chain, chosen by no costs
+                                        "kernels": f"{kernels.source_digest()}/{kernels.isa()}"}
     assert out["ar"]["config"]["mode"] == "ar" and out["ar"]["config"]["lookup"] == 0
 
     model = lossless.load_model(dirs["model"])
@@ -242,7 +244,8 @@ def test_generate_streams_the_same_text_without_json(dirs, capsys):
     assert rc == 0
     assert captured.out == expected["text"]
     summary = captured.err.strip().splitlines()[-1]
-    assert summary.startswith(f"[orthrus k=8 chain + lookup 16, {expected['config']['dtype']} exact |")
+    assert summary.startswith(f"[orthrus k=8 chain + lookup 16, {expected['config']['dtype']} exact (kernels "
+                              f"{kernels.build_name()}) |")
     assert f"{len(expected['token_ids'])} tokens" in summary
 
 

@@ -129,7 +129,7 @@ def cmd_generate(args) -> int:
 
 
 def _config_label(config: dict) -> str:
-    """What ran, in a few words: "orthrus tree 8 + lookup 16, bf16 exact"."""
+    """What ran, in a few words: "orthrus tree 8 + lookup 16, bf16 exact (kernels dd02839c.../avx512bf16)"."""
     what = config["mode"]
     if what == "orthrus":
         parts = [f"tree {config['tree']}" if config["tree"] else (f"k={config['k']} chain" if config["cycle"] == "two-pass"
@@ -137,7 +137,8 @@ def _config_label(config: dict) -> str:
         if config["lookup"]:
             parts.append(f"lookup {config['lookup']}")
         what += " " + " + ".join(parts)
-    return f"{what}, {config['dtype']} {config['attn']}"
+    kernels = f" (kernels {config['kernels']})" if config.get("kernels") else ""
+    return f"{what}, {config['dtype']} {config['attn']}{kernels}"
 
 
 def _distill_inputs(args, allow_empty: bool = False) -> tuple[str, list[dict]]:

@@ -163,6 +163,12 @@ def source_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+def build_name() -> str:
+    """What decodes in exact mode now: "<source digest>/<variant>" (the variant passed its self-check here, so the
+    bits are every machine's for these sources)."""
+    return f"{source_digest()}/{isa()}"
+
+
 def build_dir(cflags: list[str] = CFLAGS) -> Path:
     return cache_dir() / "kernels" / _build_key(cflags)
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from . import exact
+from . import exact, kernels
 from .cache import GrowingLayer, growing_cache, stack_keep_rows
 from . import head as headfile
 from .loop import DecodeConfig, GenerationOutput, auto_cycle, block_size, decode
@@ -487,7 +487,8 @@ class OrthrusLM(nn.Module):
         config = {"dtype": self.dtype_name, "attn": self.attn, "exact": self.attn == EXACT, "mode": mode,
                   "cycle": cycle if speculative else None, "k": block_size(self.k, cfg) if speculative else None,
                   "tree": tree if speculative else 0, "lookup": lookup if speculative else 0,
-                  "choice": choice.to_dict() if choice is not None else None}
+                  "choice": choice.to_dict() if choice is not None else None,
+                  "kernels": kernels.build_name() if self.attn == EXACT else None}
         return GenerationOutput(text=text, token_ids=state.generated, stats=state.stats.to_dict(),
                                 prompt_ids=prompt_ids, finish_reason=state.finished, config=config,
                                 cache=state.cache if keep_cache else None)

@@ -355,7 +355,7 @@ def kernel_build(attn: str) -> str | None:
         return None
     from ..decoding import kernels
 
-    return f"{kernels.source_digest()}/{kernels.isa()}"
+    return kernels.build_name()
 
 
 def top_at(tops, i):
