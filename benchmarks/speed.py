@@ -18,8 +18,8 @@ The protocol (so that a ratio means something on a noisy machine):
   interval), and on how many prompts its tokens equal `ar` on the same kernel;
 - the same paired ratio to `ar` on the same kernels (`vs_ar`) and to `llama_cpp` (`vs_llama_cpp`) where they ran;
   the JSON keeps each method's per-prompt tokens/s, so any other ratio can be computed after;
-- `--temperature T` samples instead (our methods only: the chain and fused cycles and AR, and `default`, which
-  is then what a sampled `lossless generate` runs); every run of a prompt draws with the same seed.
+- `--temperature T` samples instead (our methods only: AR, the chain, tree, lookup and fused cycles, and
+  `default`, which is then what a sampled `lossless generate` runs); every run of a prompt draws with one seed.
 Tokens per step = tokens committed per decode cycle after the prefill (1.0 for plain AR); tokens per forward
 counts every model forward, prefill included. The last stdout line is one JSON object.
 
@@ -199,11 +199,10 @@ def main(argv=None) -> int:
         bad = [m for m in methods if m not in METHODS]
         if bad:
             raise LosslessError(f"unknown method {bad[0]}: choose from {', '.join(METHODS)}")
-        greedy_only = {"hf_generate", "prompt_lookup", "llama_cpp", "orthrus_lookup", "orthrus_tree",
-                       "orthrus_tree_lookup", "orthrus_fused_lookup"} & set(methods)
+        greedy_only = {"hf_generate", "prompt_lookup", "llama_cpp"} & set(methods)
         if args.temperature and greedy_only:
-            raise LosslessError(f"--temperature: {', '.join(sorted(greedy_only))} decode greedily; run ar, orthrus, "
-                                f"orthrus_fused and default")
+            raise LosslessError(f"--temperature: {', '.join(sorted(greedy_only))} decode greedily; run our methods "
+                                f"(ar, orthrus and its tree, lookup and fused forms, default)")
         if "llama_cpp" in methods and not peers.available():
             raise LosslessError("llama_cpp: llama-cpp-python is not installed; pip install .[peers] (see docs/speed.md)")
         fused = [parse_fused(f) for f in args.fused.split(",") if f]

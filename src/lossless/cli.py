@@ -106,9 +106,9 @@ def cmd_generate(args) -> int:
     if args.k is not None and args.k < 1:
         raise LosslessError(f"--k must be >= 1, got {args.k}")
     _check_cycle_args(args)
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)  # refused early
     if args.mode == "orthrus":  # explicit choices only: the defaults adapt to the request
-        check_tree(args.tree or 0, args.cycle, sampling.greedy, args.lookup or 0)
+        check_tree(args.tree or 0, args.cycle, args.lookup or 0)
     model = load_model(args.model, args.dtype, args.device, args.attn, head=args.head)
     stream = (lambda s: (sys.stdout.write(s), sys.stdout.flush())) if not args.json else None
     out = model.generate(args.prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, k=args.k,
@@ -578,7 +578,7 @@ def cmd_serve(args) -> int:
     _check_cycle_args(args)
     SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # refuses nonsense early
     if args.mode == "orthrus" and (args.tree or args.lookup):
-        check_tree(args.tree or 0, args.cycle, args.temperature == 0, args.lookup or 0)
+        check_tree(args.tree or 0, args.cycle, args.lookup or 0)
     import uvicorn
 
     from .serving import Defaults, create_app
@@ -654,13 +654,13 @@ def _generate_parser(sub) -> None:
     g.add_argument("--k", type=_number(int, "--k", at_least=1), default=None, help="block size (default: the head's k; --cycle fused: at most 3)")
     _add_cycle_args(g)
     g.add_argument("--tree", type=_number(int, "--tree", at_least=0, note=" (0 = none)"), nargs="?", const=DEFAULT_TREE, default=None, metavar="NODES",
-                   help=f"two-pass, greedy: verify a tree of NODES draft candidates (the top drafts and their runners-up; "
+                   help=f"two-pass, greedy or sampled: verify a tree of NODES draft candidates (the top drafts and their runners-up; "
                         f"{DEFAULT_TREE} without a number) instead of one chain; 0 = the chain (default: when greedy and two-pass "
                         f"with a trained head and none of --tree, --lookup, --k given, the cycle this CPU's measured "
                         f"forward costs predict fastest, or AR where none pays (see `lossless costs`); otherwise "
                         f"{DEFAULT_TREE} when greedy, two-pass and the head is trained, else 0)")
     g.add_argument("--lookup", type=_number(int, "--lookup", at_least=0, note=" (0 = none)"), nargs="?", const=DEFAULT_LOOKUP, default=None, metavar="TOKENS",
-                   help=f"greedy: prompt lookup beside the drafts: copy up to TOKENS tokens that followed the "
+                   help=f"greedy or sampled: prompt lookup beside the drafts: copy up to TOKENS tokens that followed the "
                         f"context's last tokens where they occurred before ({DEFAULT_LOOKUP} without a number) and verify "
                         f"them too; a match of 2+ tokens is verified alone, without a draft pass; 0 = none (default: "
                         f"chosen with --tree from this CPU's costs, as there; otherwise {DEFAULT_LOOKUP} when greedy, "

@@ -54,9 +54,9 @@ PREFILL_CHUNK = 128
 EXACT_PREFILL_CHUNK = 256
 
 
-def check_tree(tree: int, cycle: str, greedy: bool, lookup: int = 0) -> None:
+def check_tree(tree: int, cycle: str, lookup: int = 0) -> None:
     """A candidate tree (`tree` nodes, 0 = none) runs in the two-pass cycle, prompt lookup (`lookup` tokens,
-    0 = none) in either cycle, both greedy; both on any kernel, exact mode included."""
+    0 = none) in either cycle, greedy or sampled; both on any kernel, exact mode included."""
     for flag, value in (("--tree", tree), ("--lookup", lookup)):
         if not value:
             continue
@@ -64,8 +64,6 @@ def check_tree(tree: int, cycle: str, greedy: bool, lookup: int = 0) -> None:
             raise LosslessError(f"{flag} must be >= 0 (0 = none), got {value}")
         if cycle != "two-pass" and flag == "--tree":
             raise LosslessError(f"{flag} works with the two-pass cycle; drop {flag} or --cycle fused")
-        if not greedy:
-            raise LosslessError(f"{flag} works with greedy decoding; drop {flag} or --temperature")
 
 
 def check_attn(attn: str) -> str:

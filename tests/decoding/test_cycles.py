@@ -182,7 +182,7 @@ def test_costs_are_measured_once_then_read_from_the_cache(trained, cache, monkey
     first = cycles.cached_costs(trained)
     assert measured == [12] and set(first["rows"]) == {str(r) for r in cycles.COST_ROWS}
     assert all(ms > 0 for ms in first["rows"].values()) and first["draft"] > 0
-    assert set(first["bookkeeping"]) == {"ar", "chain", "tree 32", "ar sampled", "chain sampled"}
+    assert set(first["bookkeeping"]) == {"ar", "chain", "tree 32", "ar sampled", "chain sampled", "tree 8 sampled"}
     assert min(first["bookkeeping"].values()) >= 0
     assert first["variant"] != "stock" and first["key"] == cycles.costs_key(trained)
     long = first["long"]  # after the longest prompt the tiny model's 256 positions leave room for
@@ -330,24 +330,26 @@ def test_the_shipped_head_brings_the_profile_of_its_own_digest():
     assert len({e["tokens"] for e in profile["candidates"]}) == 1  # recorded on exact kernels: the same tokens
 
 
-def test_a_sampled_requests_chain_gives_way_to_ar_where_its_cycles_do_not_pay(trained, cache):
-    """A sampled request with no cycle of its own runs the chain, and after FALLBACK_CYCLES cycles goes on as AR
-    if it commits fewer tokens a cycle than a chain cycle costs in steps on this CPU (times the margin): with
-    Intel's costs and dear sampling (a cycle 5 steps, more than its block) it gives way, with costs where a cycle
-    costs a fifth of a step it never does. The same seed gives the same tokens."""
+def test_a_sampled_requests_tree_gives_way_to_ar_where_its_cycles_do_not_pay(trained, cache):
+    """A sampled request with no cycle of its own runs the tree of SAMPLED_TREE nodes, and after FALLBACK_CYCLES
+    cycles goes on as AR if it commits fewer tokens a cycle than its cycle costs in steps on this CPU (times the
+    margin): with Intel's costs and dear sampling (a cycle 5 steps, more than its block) it gives way, with costs
+    where a cycle costs a fifth of a step it never does. The same seed gives the same tokens."""
     from lossless.decoding.sampling import SamplingConfig
 
-    _costs_file(trained, cache, {**INTEL, "bookkeeping": {"ar sampled": 0.5, "chain sampled": 5.0}})
+    _costs_file(trained, cache, {**INTEL, "bookkeeping": {"ar sampled": 0.5, "chain sampled": 0.1,
+                                                          f"tree {cycles.SAMPLED_TREE} sampled": 5.0}})
     trained._sampling_costs = None
     config = trained.generate(PROMPTS[0], max_new_tokens=4, temperature=0.8).config
     choice = trained.sampling_choice()
-    even = (1.5 + cycles.cost_at(INTEL, trained.k) + 5.0) / (1.0 + 0.5)  # draft, verify of k rows, bookkeeping
+    even = (1.5 + cycles.cost_at(INTEL, cycles.SAMPLED_TREE + 1) + 5.0) / (1.0 + 0.5)  # draft, verify, bookkeeping
     assert config["choice"] == choice.to_dict() and config["mode"] == "orthrus" and "giving way to AR" in choice.why
+    assert config["tree"] == choice.tree == cycles.SAMPLED_TREE and config["lookup"] == 0
     assert choice.ar_below == pytest.approx(even * cycles.SAMPLING_MARGIN, abs=1e-3)
 
     def run(ar_below):
         cfg = DecodeConfig(max_new_tokens=40, eos_ids=(-1,), sampling=SamplingConfig(temperature=0.8, seed=3),
-                           ar_below=ar_below)
+                           tree=cycles.SAMPLED_TREE, ar_below=ar_below)
         return decode(trained, PROMPTS[0], "orthrus", cfg)
 
     state = run(choice.ar_below)

@@ -322,12 +322,12 @@ def spread_model() -> OrthrusLM:
     return model
 
 
-def _first_two_tokens(model, mode: str, seeds: range, stats: list | None = None) -> Counter:
+def _first_two_tokens(model, mode: str, seeds: range, stats: list | None = None, **cycle) -> Counter:
     counts: Counter = Counter()
     for seed in seeds:
         # orthrus needs 3 new tokens: k is capped by what is left, and token 2 must come from a k=2 cycle
         cfg = DecodeConfig(max_new_tokens=3 if mode == "orthrus" else 2, k=2, eos_ids=NO_EOS,
-                           sampling=SamplingConfig(temperature=1.0, seed=seed))
+                           sampling=SamplingConfig(temperature=1.0, seed=seed), **cycle)
         state = decode(model, SAMPLING_PROMPT, mode, cfg)
         counts[tuple(state.generated[:2])] += 1
         if stats is not None:
@@ -390,6 +390,71 @@ def test_chi2_check_has_power_against_uncorrected_draft_sampling(spread_model, a
     ar = ar_samples
     from_q = _first_two_tokens(spread_model, "orthrus", range(2 * N_SAMPLES, 3 * N_SAMPLES))
     assert _chi2_pvalue(ar, from_q) < 1e-3
+
+
+def test_a_sampled_tree_matches_ar_sampling_in_distribution(spread_model, ar_samples):
+    """A tree of the draft's 3 most probable tokens, sampled: the AR view's draw at the root tried on the
+    children first (`try_candidates`), then drawn from the rest. Token 2 must follow AR's distribution, and a
+    child is taken at the rate p(children) implies."""
+    accepted: list[int] = []
+    tree = _first_two_tokens(spread_model, "orthrus", range(3 * N_SAMPLES, 4 * N_SAMPLES), accepted, tree=3)
+    assert _chi2_pvalue(ar_samples, tree) > 1e-3
+    rate = sum(accepted) / len(accepted)
+    assert 0.3 < rate < 0.97  # (a tree of 3 of 8 tokens: most draws, not all)
+
+
+def test_chi2_check_has_power_against_a_tree_that_takes_its_first_child_too_often(spread_model, ar_samples,
+                                                                                 monkeypatch):
+    """Negative control: the first candidate taken with twice its chance; the same test must reject."""
+    real = decoding.try_candidates
+
+    def biased(p, candidates, generator):
+        if candidates and float(torch.rand((), generator=generator)) < float(p[candidates[0]]):
+            return 0, None
+        return real(p, candidates, generator)
+
+    monkeypatch.setattr(decoding, "try_candidates", biased)
+    skewed = _first_two_tokens(spread_model, "orthrus", range(4 * N_SAMPLES, 5 * N_SAMPLES), tree=3)
+    assert _chi2_pvalue(ar_samples, skewed) < 1e-3
+
+
+@pytest.mark.parametrize("candidates", [[3, 0, 5], [2], [1, 3, 5, 7], [4, 6]], ids=str)
+def test_trying_candidates_draws_from_p_whatever_they_are(candidates):
+    """`try_candidates` gives a draw from p however many candidates and which (a goodness-of-fit test over 20,000
+    draws, zeros in p, a candidate of no chance), never a token of no chance, and every bit of p's mass on the
+    candidates never falls through to the rest."""
+    from scipy.stats import chisquare
+
+    p = torch.tensor([0.3, 0.0, 0.1, 0.25, 0.05, 0.2, 0.1, 0.0])
+    g = torch.Generator().manual_seed(1)
+    draws = Counter()
+    for _ in range(20_000):
+        taken, token = decoding.try_candidates(p, candidates, g)
+        draws[candidates[taken] if taken is not None else token] += 1
+    seen = [i for i, w in enumerate(p.tolist()) if w > 0]
+    assert set(draws) <= set(seen)
+    share = p.double() / p.double().sum()
+    assert chisquare([draws[i] for i in seen], [20_000 * float(share[i]) for i in seen]).pvalue > 1e-3
+    onto = torch.zeros(8)
+    onto[candidates] = 1.0 / len(candidates)  # (with rounding, the last one may have to take what is left)
+    assert all(decoding.try_candidates(onto, candidates, g)[0] is not None for _ in range(200))
+
+
+def test_copied_drafts_are_accepted_as_point_masses_when_sampling():
+    """Drafts without a q (copied from the context) are accepted with probability p(x), else the token is drawn
+    from p without x: the first committed token follows p's first row (goodness of fit over 20,000 cycles)."""
+    from scipy.stats import chisquare
+
+    p = torch.tensor([[0.5, 0.2, 0.0, 0.3], [0.1, 0.1, 0.4, 0.4], [0.25, 0.25, 0.25, 0.25]])
+    g = torch.Generator().manual_seed(2)
+    first = Counter()
+    for _ in range(20_000):
+        n, bonus = decoding.accept_sampling([0, 2], None, p, g)
+        first[0 if n > 0 else bonus] += 1
+        assert n < 2 or bonus in range(4)
+    assert first[2] == 0
+    share = p[0].double() / p[0].double().sum()
+    assert chisquare([first[i] for i in (0, 1, 3)], [20_000 * float(share[i]) for i in (0, 1, 3)]).pvalue > 1e-3
 
 
 def test_a_draw_follows_the_distribution_and_never_takes_a_token_of_no_chance(monkeypatch):

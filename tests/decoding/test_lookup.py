@@ -116,10 +116,25 @@ def test_lookup_stops_at_max_new_tokens_and_at_eos_inside_a_span(models, max_new
     assert_stops_at_length_and_at_eos(models["llama"][0], (*PROMPTS, REPEATING), max_new, 30, 20, lookup=16)
 
 
+@pytest.mark.parametrize("cycle", [dict(), dict(tree=4), dict(cycle="fused")], ids=["chain", "tree", "fused"])
+def test_lookup_samples_too_and_one_seed_gives_one_text(models, monkeypatch, cycle):
+    """Sampled, a copied span is verified as point masses (each token taken with the AR view's probability of it,
+    `accept_sampling` without q): a repeating prompt's copies are tried and some taken, the request ends where it
+    should, and one seed gives the same tokens again (the draws' distribution: test_decoding.py)."""
+    model = models["llama"][0]
+    seen = []
+    real = decoding.accept_sampling
+    monkeypatch.setattr(decoding, "accept_sampling", lambda d, q, p, g: seen.append((len(d), q is None)) or real(d, q, p, g))
+    cfg = DecodeConfig(max_new_tokens=24, eos_ids=NO_EOS, lookup=8, sampling=SamplingConfig(temperature=0.8, seed=3),
+                       **cycle)
+    runs = [decode(model, REPEATING * 3, "orthrus", cfg) for _ in range(2)]
+    assert runs[0].generated == runs[1].generated and len(runs[0].generated) == 24
+    assert any(n > 0 and copied for n, copied in seen)  # (a copy went through the point-mass rule)
+    assert sum(runs[0].stats.accepted) > 0
+
+
 @pytest.mark.parametrize("cfg,needle", [
     (DecodeConfig(lookup=8, tree=8, cycle="fused"), "two-pass"),
-    (DecodeConfig(lookup=8, cycle="fused", sampling=SamplingConfig(temperature=1.0)), "greedy"),
-    (DecodeConfig(lookup=8, sampling=SamplingConfig(temperature=1.0)), "greedy"),
     (DecodeConfig(lookup=-1), "--lookup"),
 ])
 def test_bad_lookup_requests_are_refused(models, cfg, needle):

@@ -96,7 +96,6 @@ def test_a_path_of_runner_up_drafts_is_accepted_and_its_cache_rows_are_kept(mode
 
 @pytest.mark.parametrize("cfg,needle", [
     (DecodeConfig(tree=8, cycle="fused"), "two-pass"),
-    (DecodeConfig(tree=8, sampling=SamplingConfig(temperature=1.0)), "greedy"),
     (DecodeConfig(tree=-1), "--tree"),
 ])
 def test_bad_tree_requests_are_refused(models, cfg, needle):

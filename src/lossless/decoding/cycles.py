@@ -15,11 +15,11 @@ steps (VDPBF16PS on 2 Intel vCPUs), even the 8-node tree is AR's speed. So the d
   `cache_dir()/cycles`; `lossless costs --remeasure` measures again. A long context makes every forward dearer and
   the many-row ones most (each row reads the whole cache): on machine D a 9-row verify cost 1.15 steps after 100
   tokens and 1.8 after 6,000, where the best cycle predicted 0.98x AR in that measurement;
-- a **sampled** request's default (`sampling_choice`) is the chain, which gives way to AR for the rest of the
-  request once, after FALLBACK_CYCLES cycles, the tokens it commits per cycle fall below what a chain cycle costs
-  in steps on this CPU (times SAMPLING_MARGIN): how many drafts sampling accepts depends on the temperature and
-  the text, so the request's own acceptance decides, not a profile. On machine D at temperature 0.7 the chain ran
-  at 0.85x AR without it;
+- a **sampled** request's default (`sampling_choice`) is the tree of SAMPLED_TREE nodes, which gives way to AR
+  for the rest of the request once, after FALLBACK_CYCLES cycles, the tokens it commits per cycle fall below what
+  its cycle costs in steps on this CPU (times SAMPLING_MARGIN): how many drafts sampling accepts depends on the
+  temperature and the text, so the request's own acceptance decides, not a profile. On machine D at temperature
+  0.7 the chain ran at 0.85x AR without it;
 - the **choice** (`choose`), for a request's context (its prompt's length): each candidate's predicted speed-up
   over AR is its tokens times a step's cost over the sum of its forwards' costs (row counts between the measured
   ones interpolated, contexts between and past the two measured ones linearly); the best one runs if it
@@ -57,9 +57,12 @@ MARGIN = 1.15
 # they predict at least SAMPLING_MARGIN x AR (the predictions came within 3-6% of decoding's own, optimistic)
 FALLBACK_CYCLES = 8
 SAMPLING_MARGIN = 1.05
+# a sampled request's default tree: on machine D at temperature 0.7 (6 held-out prompts, 3 repeats, two runs) the
+# 8-node tree committed 2.47 tokens a cycle against the chain's 2.24, at 1.11x and 1.02x AR against 0.99x and 0.91x
+SAMPLED_TREE = 8
 PROFILE_FILE = "cycles.json"
 PROFILE_VERSION = 1
-COSTS_VERSION = 4  # 4: the bookkeeping of sampled AR steps and chain cycles too
+COSTS_VERSION = 5  # 4: the bookkeeping of sampled AR steps and chain cycles too; 5: of the sampled tree's cycles
 LONG_CONTEXT = 4096  # the long prompt the costs are measured after too (or the model's longest that fits)
 SHOWN_CONTEXTS = (500, 1000, 2000, 4000, 8000)  # the prompt lengths `lossless costs` says the default for
 CYCLE_ENV = "LOSSLESS_CYCLE"  # "fixed": the fixed defaults (tree DEFAULT_TREE, lookup DEFAULT_LOOKUP), no measuring
@@ -162,20 +165,24 @@ def choose(profile: dict, costs: dict, margin: float = MARGIN, context: int | No
 
 
 def sampling_choice(costs: dict | None, k: int, context: int | None = None) -> Choice:
-    """A sampled request's default: the chain of block size `k`, giving way to AR once its tokens per cycle (after
-    FALLBACK_CYCLES cycles) fall below the break-even these costs give after `context` cached positions (a draft
-    pass, a verify of k rows and a cycle's bookkeeping, in steps) times SAMPLING_MARGIN. No costs: the chain
-    alone."""
+    """A sampled request's default: the tree of SAMPLED_TREE nodes (its candidates tried as point masses, one
+    verify of SAMPLED_TREE + 1 rows: as many as the chain's of block size 8, and it commits about a tenth more
+    tokens a cycle), giving way to AR once its tokens per cycle (after FALLBACK_CYCLES cycles) fall below the
+    break-even these costs give after `context` cached positions (a draft pass, the tree's verify and a cycle's
+    bookkeeping, in steps) times SAMPLING_MARGIN. No costs: the tree alone. (`k`, the request's block size, caps
+    the tree's depth, not its rows.)"""
+    name = f"tree {SAMPLED_TREE}"
     if costs is None:
-        return Choice("orthrus", 0, 0, "the chain (no forward costs measured here)", {})
+        return Choice("orthrus", SAMPLED_TREE, 0, f"{name} (no forward costs measured here)", {})
     costs = at_context(costs, context)
     keep = costs.get("bookkeeping", {})
     step = cost_at(costs, 1) + keep.get("ar sampled", keep.get("ar", 0.0))
-    even = (costs["draft"] + cost_at(costs, k) + keep.get("chain sampled", keep.get("chain", 0.0))) / step
+    cycle = keep.get(f"{name} sampled", keep.get("chain sampled", keep.get("chain", 0.0)))
+    even = (costs["draft"] + cost_at(costs, SAMPLED_TREE + 1) + cycle) / step
     below = round(even * SAMPLING_MARGIN, 3)
-    return Choice("orthrus", 0, 0, f"the chain, giving way to AR if after {FALLBACK_CYCLES} cycles it commits fewer "
-                                   f"than {below:.2f} tokens a cycle (a cycle costs {even:.2f} steps on this CPU's "
-                                   f"costs: {_cost_words(costs)})", {}, below)
+    return Choice("orthrus", SAMPLED_TREE, 0, f"{name}, giving way to AR if after {FALLBACK_CYCLES} cycles it commits "
+                                              f"fewer than {below:.2f} tokens a cycle (a cycle costs {even:.2f} steps "
+                                              f"on this CPU's costs: {_cost_words(costs)})", {}, below)
 
 
 def _cost_words(costs: dict) -> str:
@@ -364,8 +371,8 @@ def measure_costs(model, rounds: int = 12, cache_len: int = 100, decode_tokens: 
     positions (or the most the model's positions leave room for; none where that is under twice `cache_len`), in
     `"long"`; and the bookkeeping of a decode cycle outside its forwards (accepting, committing, building the tree,
     moving the accepted path's cache rows), from `decode_tokens`-token decodes of AR, the chain and the 32-node
-    tree (the least of two), and of AR and the chain sampling at temperature 1 (each processed distribution,
-    rejection sampling)."""
+    tree (the least of two), and of AR, the chain and the SAMPLED_TREE-node tree sampling at temperature 1 (each
+    processed distribution, rejection sampling, a tree's candidates tried)."""
     from . import kernels
     from .loop import DecodeConfig, decode
     from .sampling import SamplingConfig
@@ -382,7 +389,8 @@ def measure_costs(model, rounds: int = 12, cache_len: int = 100, decode_tokens: 
         bookkeeping = {}
         sampled = SamplingConfig(temperature=1.0, seed=0)
         for name, mode, tree in (("ar", "ar", 0), ("chain", "orthrus", 0), ("tree 32", "orthrus", 32),
-                                 ("ar sampled", "ar", 0), ("chain sampled", "orthrus", 0)):
+                                 ("ar sampled", "ar", 0), ("chain sampled", "orthrus", 0),
+                                 (f"tree {SAMPLED_TREE} sampled", "orthrus", SAMPLED_TREE)):
             per_cycle = []
             for _ in range(2):
                 with _Watching(model) as watch:

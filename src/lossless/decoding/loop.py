@@ -1,8 +1,9 @@
 """The decode loops: `ar` (the reference) and `orthrus`, in one of two cycles:
 
 - `two-pass` (the authors' Orthrus, the default): draft -> verify -> accept -> commit, two forwards;
-  with `tree` > 0 (greedy), the verify pass checks a tree of draft candidates (the top drafts and their
-  runners-up, `build_tree`) instead of one chain, and keeps the longest path the AR view agrees with;
+  with `tree` > 0, the verify pass checks a tree of draft candidates (the top drafts and their runners-up,
+  `build_tree`) instead of one chain, and keeps the longest path the AR view agrees with (greedy) or its draws
+  take (sampled: `try_candidates`);
 - `fused`: one forward verifies the pending block and drafts the next one for every possible acceptance
   count (`OrthrusLM.verify_and_draft`) -> accept -> commit -> keep the drafts of the group that matches.
 
@@ -86,7 +87,7 @@ def commit_cache(cache, n_committed: int) -> None:
 # generate; k=4 with 2 or 4 groups 0.83x, k=5 with 2 groups 0.81x; k=8 with 8 groups is 72 rows (2.9x a step).
 FUSED_K = 3
 
-# Candidate trees (two-pass, greedy): a tree is a set of paths of candidate ranks, one rank per block
+# Candidate trees (two-pass): a tree is a set of paths of candidate ranks, one rank per block
 # position, e.g. (0, 1) = the top draft at block position 1, then the runner-up at position 2. Each cycle
 # builds its own tree from the draft's probabilities: a path's score is the product of its candidates'
 # probabilities, and a budget of N nodes takes the N best paths. Measured against one fixed tree built from
@@ -152,8 +153,8 @@ class DecodeConfig:
     record_margins: bool = False  # keep the top-1 minus top-2 logit margin (and the top tokens) of every committed token
     cycle: str = "two-pass"  # how orthrus spends forwards: "two-pass" (draft, then verify) or "fused"
     groups: int | None = None  # fused: draft groups per forward, for acceptance counts 0..groups-1 (None = all)
-    tree: int = 0  # two-pass, greedy: verify a tree of this many draft candidates (0 = the chain of top drafts)
-    lookup: int = 0  # greedy, either cycle: verify up to this many tokens copied from earlier context (0 = none)
+    tree: int = 0  # two-pass: verify a tree of this many draft candidates (0 = the chain of top drafts)
+    lookup: int = 0  # either cycle: verify up to this many tokens copied from earlier context (0 = none)
     # orthrus: after cycles.FALLBACK_CYCLES cycles, AR for the rest of the request once the tokens committed per
     # cycle so far fall below this (0: never; a sampled request's default, from this CPU's costs)
     ar_below: float = 0.0
@@ -306,7 +307,7 @@ def validate(model: DecodingModel, prompt_ids: list[int], cfg: DecodeConfig, mod
     check_cycle(cfg.cycle)
     if cfg.groups is not None and cfg.groups < 1:
         raise LosslessError(f"--groups must be >= 1, got {cfg.groups}")
-    check_tree(cfg.tree, cfg.cycle, cfg.sampling.greedy, cfg.lookup)
+    check_tree(cfg.tree, cfg.cycle, cfg.lookup)
     k = block_size(model.k, cfg)
     if not 1 <= k <= model.k:
         raise LosslessError(f"--k must be between 1 and the head's k ({model.k}), got {k}")
@@ -366,10 +367,17 @@ def accept_greedy(drafts: list[int], logits: torch.Tensor) -> tuple[int, int]:
     return n_accepted, targets[n_accepted]
 
 
-def accept_sampling(drafts: list[int], q: torch.Tensor, p: torch.Tensor, generator) -> tuple[int, int]:
+def accept_sampling(drafts: list[int], q: torch.Tensor | None, p: torch.Tensor, generator) -> tuple[int, int]:
     """Speculative rejection sampling: accept draft x with prob min(1, p(x)/q(x)); on rejection sample
-    from normalize(max(0, p - q)); after a full accept sample the bonus token from p. p [k, V], q [k-1, V]."""
+    from normalize(max(0, p - q)); after a full accept sample the bonus token from p. p [k, V], q [k-1, V].
+    q None: drafts chosen without a draw (copied from the context), each a point mass: x accepted with prob
+    p(x), else the token drawn from p without x (`try_candidates`)."""
     for j, x in enumerate(drafts):
+        if q is None:
+            chosen, token = try_candidates(p[j], [x], generator)
+            if chosen is not None:
+                continue
+            return j, token
         ratio = (p[j, x] / q[j, x]).clamp(max=1.0)
         u = torch.rand((), generator=generator, device=p.device)
         if u < ratio:
@@ -379,6 +387,26 @@ def accept_sampling(drafts: list[int], q: torch.Tensor, p: torch.Tensor, generat
             residual = p[j]
         return j, sample(residual, generator)  # (weights: `sample` draws by their share of the sum)
     return len(drafts), sample(p[len(drafts)], generator)
+
+
+def try_candidates(p: torch.Tensor, candidates: list[int], generator) -> tuple[int | None, int | None]:
+    """One token drawn from p [V] through candidates chosen without a draw (distinct ids, in any order fixed
+    before it): the first is taken with probability p(c1), else the second with p(c2) / (1 - p(c1)), and so on,
+    each a draw from p given that the ones before it were not taken; if none is, the token is drawn from p without
+    them. So the token is a draw from p, whatever the candidates. Returns (index of the candidate taken, None), or
+    (None, the token drawn)."""
+    mass = p.double()
+    left = float(mass.sum())  # (the mass not yet ruled out)
+    for i, c in enumerate(candidates):
+        pc = float(mass[c])
+        if pc > 0 and float(torch.rand((), dtype=torch.float64, generator=generator, device=p.device)) * left < pc:
+            return i, None
+        left -= pc
+    residual = mass.clone()
+    residual[candidates] = 0
+    if not float(residual.sum()) > 0:  # every bit of p's mass on the candidates: the last one with any (rounding)
+        return max(i for i, c in enumerate(candidates) if float(mass[c]) > 0), None
+    return None, sample(residual, generator)
 
 
 def accept(state: DecodeState, drafts: list[int], q: torch.Tensor | None, logits: torch.Tensor,
@@ -432,7 +460,7 @@ def token_tree(paths, ranks: list[list[int]], branch=()) -> tuple[list[int], lis
 
 def tree_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, generator,
                branch: list[int] = ()) -> list[int]:
-    """One two-pass cycle that verifies a tree of draft candidates (greedy): draft -> choose this cycle's
+    """One two-pass cycle that verifies a tree of draft candidates: draft -> choose this cycle's
     tree (cfg.tree nodes, or the chain of top drafts) and add `branch` (tokens after the last committed one,
     e.g. a lookup's) -> verify it in one forward -> follow the AR argmax down the tree -> keep the cache rows
     of the accepted path -> commit."""
@@ -459,24 +487,38 @@ def tree_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: i
     else:
         verify = model.verify_tree(state.cache, block, parents)  # [len(block), V]
     state.stats.forwards += 1
-    # 3. accept: follow the AR argmax from the root while a child holds it
-    targets = argmax(verify).tolist()
+    # 3. accept: follow the AR argmax from the root while a child holds it (sampling: the AR view's draw at each
+    #    node, tried on the node's children first: `try_candidates`)
     path_rows = [0]
-    while (row := children.get(path_rows[-1], {}).get(targets[path_rows[-1]])) is not None:
-        path_rows.append(row)
+    if cfg.sampling.greedy:
+        targets = argmax(verify).tolist()
+        while (row := children.get(path_rows[-1], {}).get(targets[path_rows[-1]])) is not None:
+            path_rows.append(row)
+        bonus = targets[path_rows[-1]]
+    else:
+        while True:
+            kids = children.get(path_rows[-1], {})
+            taken, bonus = try_candidates(cfg.sampling.probs(verify[path_rows[-1]]), list(kids), generator)
+            if taken is None:
+                break
+            path_rows.append(list(kids.values())[taken])
     state.stats.accepted.append(len(path_rows) - 1)
     # 4. commit: the accepted path's cache rows move into place, then the path and the AR token are committed
     model.keep_cache_rows(state.cache, start, path_rows)
-    return commit(state, [tokens[r - 1] for r in path_rows[1:]] + [targets[path_rows[-1]]], cfg, verify[path_rows])
+    return commit(state, [tokens[r - 1] for r in path_rows[1:]] + [bonus], cfg, verify[path_rows])
 
 
 def lookup_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, generator) -> list[int]:
-    """One greedy two-pass cycle with prompt lookup: if the context's last LOOKUP_ALONE or more tokens occurred
+    """One two-pass cycle with prompt lookup: if the context's last LOOKUP_ALONE or more tokens occurred
     earlier, verify what followed them (up to cfg.lookup tokens) in one forward, with no draft pass; otherwise
-    a draft cycle (the chain, or cfg.tree's tree) whose tree also holds up to LOOKUP_BESIDE looked-up tokens."""
+    a draft cycle (the chain, or cfg.tree's tree) whose tree also holds up to LOOKUP_BESIDE looked-up tokens.
+    Sampled without a tree, that draft cycle is the sampled chain's (drafts drawn from q accept more often than
+    the top drafts tried as point masses beside copied tokens)."""
     proposal, matched = lookup_proposal(state.tokens, min(cfg.lookup, cfg.max_new_tokens - len(state.generated) - 1))
     if matched >= LOOKUP_ALONE:
         return orthrus_cycle(model, state, cfg, len(proposal) + 1, generator, drafter=lambda *_: (proposal, None))
+    if not cfg.sampling.greedy and not cfg.tree:
+        return orthrus_cycle(model, state, cfg, k, generator)
     return tree_cycle(model, state, cfg, k, generator, proposal[:LOOKUP_BESIDE])
 
 
@@ -484,7 +526,7 @@ def fused_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: 
                 drafter: Drafter | None = None) -> list[int]:
     """One fused cycle: verify [last token, pending drafts] and draft every possible next block in one
     forward -> accept -> commit -> keep the drafts of the group anchored where acceptance stopped. With
-    cfg.lookup (greedy), a context match of LOOKUP_ALONE or more tokens that copies further than the pending
+    cfg.lookup, a context match of LOOKUP_ALONE or more tokens that copies further than the pending
     drafts is verified in their place (with groups for the first k acceptance counts).
 
     Group n is anchored at block position n (the last token kept when n drafts are accepted); its mask
@@ -494,7 +536,7 @@ def fused_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: 
     drafts = state.drafts[: remaining - 1]  # never verify past max_new_tokens
     q = state.draft_q[: len(drafts)] if state.draft_q is not None else None
     group_cap = len(drafts) + 1
-    if cfg.lookup:  # greedy: a long enough context match replaces the pending drafts with its copy
+    if cfg.lookup:  # a long enough context match replaces the pending drafts with its copy (sampled: point masses)
         copy, matched = lookup_proposal(state.tokens, min(cfg.lookup, remaining - 1))
         if matched >= LOOKUP_ALONE and len(copy) > len(drafts):
             drafts, q, group_cap = copy, None, k  # groups where acceptance usually stops, not one per copied token

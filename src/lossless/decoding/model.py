@@ -443,8 +443,8 @@ class OrthrusLM(nn.Module):
                  on_tokens=None, stop=None, keep_cache: bool = False) -> GenerationOutput:
         """Decode `prompt` (text, or token ids used as-is) with `mode` ("ar" | "orthrus"); orthrus runs the
         `cycle` "two-pass" (draft, then verify) or "fused" (one forward per cycle, `groups` draft groups);
-        `tree` > 0 (two-pass, greedy) verifies a tree of that many draft candidates instead of one chain;
-        `lookup` > 0 (greedy) adds prompt lookup: up to that many tokens copied from earlier context. Left at
+        `tree` > 0 (two-pass) verifies a tree of that many draft candidates instead of one chain; `lookup` > 0
+        adds prompt lookup: up to that many tokens copied from earlier context (both greedy or sampled). Left at
         None (with `k`) a greedy two-pass request with a trained head runs what this CPU's measured costs predict
         fastest after its prompt (`default_choice`: a tree and lookup, or AR where no cycle pays, as after a
         long prompt; `config["choice"]` says which and why); a sampled one the chain, going on as AR where its

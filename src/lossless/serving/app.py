@@ -319,10 +319,6 @@ def generate_settings(req, ids: list[int], model, defaults: Defaults) -> dict:
     temperature = defaults.temperature if req.temperature is None else float(req.temperature)
     greedy = temperature == 0
     cycle = ext.cycle or defaults.cycle
-    for field in ("tree", "lookup"):
-        if getattr(ext, field) and not greedy:
-            raise ApiError(400, f"'lossless.{field}' works with greedy decoding (temperature 0)",
-                           param=f"lossless.{field}")
     if ext.tree and cycle != "two-pass":
         raise ApiError(400, "'lossless.tree' works with the two-pass cycle", param="lossless.tree")
     k = ext.k or defaults.k
