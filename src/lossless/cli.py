@@ -529,7 +529,8 @@ def cmd_costs(args) -> int:
     if keep:
         print(f"bookkeeping outside the forwards: {keep['ar']:.2f} ms per AR step, {keep['chain']:.2f} ms per chain "
               f"cycle, {keep['tree 32']:.2f} ms per 32-node tree cycle; sampling, {keep.get('ar sampled', 0):.2f} ms "
-              f"per AR step and {keep.get('chain sampled', 0):.2f} ms per chain cycle")
+              f"per AR step, {keep.get('chain sampled', 0):.2f} ms per chain cycle and "
+              f"{keep.get(f'tree {cycles.SAMPLED_TREE} sampled', 0):.2f} ms per {cycles.SAMPLED_TREE}-node tree cycle")
     if choice.predicted:
         print("predicted speed-up over AR (the head's cycle profile at these costs):")
         for name, x in sorted(choice.predicted.items(), key=lambda kv: -kv[1]):
@@ -657,8 +658,9 @@ def _generate_parser(sub) -> None:
                    help=f"two-pass, greedy or sampled: verify a tree of NODES draft candidates (the top drafts and their runners-up; "
                         f"{DEFAULT_TREE} without a number) instead of one chain; 0 = the chain (default: when greedy and two-pass "
                         f"with a trained head and none of --tree, --lookup, --k given, the cycle this CPU's measured "
-                        f"forward costs predict fastest, or AR where none pays (see `lossless costs`); otherwise "
-                        f"{DEFAULT_TREE} when greedy, two-pass and the head is trained, else 0)")
+                        f"forward costs predict fastest, or AR where none pays (see `lossless costs`), and when "
+                        f"sampled the {DEFAULT_TREE}-node tree; otherwise {DEFAULT_TREE} when greedy, two-pass and "
+                        f"the head is trained, else 0)")
     g.add_argument("--lookup", type=_number(int, "--lookup", at_least=0, note=" (0 = none)"), nargs="?", const=DEFAULT_LOOKUP, default=None, metavar="TOKENS",
                    help=f"greedy or sampled: prompt lookup beside the drafts: copy up to TOKENS tokens that followed the "
                         f"context's last tokens where they occurred before ({DEFAULT_LOOKUP} without a number) and verify "
@@ -729,12 +731,12 @@ def _serve_parser(sub) -> None:
     sv.add_argument("--k", type=_number(int, "--k", at_least=1), default=None, help="default block size (default: the head's k)")
     _add_cycle_args(sv)
     sv.add_argument("--tree", type=_number(int, "--tree", at_least=0), default=None, metavar="NODES",
-                    help=f"default tree of greedy requests (default: with a trained head, what this CPU's costs "
-                         f"choose for a request that sets none of tree, lookup, k: see `lossless costs`; else "
-                         f"{DEFAULT_TREE} with a trained head)")
+                    help=f"default tree of a request (default: with a trained head, what this CPU's costs "
+                         f"choose for a request that sets none of tree, lookup, k: see `lossless costs`; a sampled "
+                         f"one's the {DEFAULT_TREE}-node tree; else {DEFAULT_TREE} with a trained head)")
     sv.add_argument("--lookup", type=_number(int, "--lookup", at_least=0), default=None, metavar="TOKENS",
-                    help=f"default prompt lookup of greedy requests (default: chosen with --tree; else "
-                         f"{DEFAULT_LOOKUP})")
+                    help=f"default prompt lookup of a request (default: chosen with --tree; else "
+                         f"{DEFAULT_LOOKUP} when greedy, 0 when sampled)")
     sv.add_argument("--temperature", type=_number(float, "--temperature", at_least=0, at_most=2), default=0.0,
                     help="default temperature (0 = greedy, as `lossless generate`; the OpenAI API's default is 1)")
     sv.add_argument("--top-k", type=_number(int, "--top-k", at_least=0), default=0, help="default top-k (0 = none)")

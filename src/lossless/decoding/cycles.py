@@ -53,7 +53,7 @@ COST_ROWS = (1, 5, 9, 13, 17, 24, 32, 40)  # verify rows whose cost is measured;
 # within 3-6% of decoding's own (optimistic), and a profile's prompt mix is not every user's (the chat prompts
 # commit fewer tokens per cycle than the suite's copy-heavy domains)
 MARGIN = 1.15
-# a sampled request's chain runs this many cycles before its tokens per cycle may send it to AR, and goes on while
+# a sampled request's default cycle runs this many cycles before its tokens per cycle may send it to AR, and goes on while
 # they predict at least SAMPLING_MARGIN x AR (the predictions came within 3-6% of decoding's own, optimistic)
 FALLBACK_CYCLES = 8
 SAMPLING_MARGIN = 1.05
@@ -85,7 +85,7 @@ class Choice:
     lookup: int
     why: str
     predicted: dict  # {candidate label: predicted speed-up over AR}; empty when nothing was predicted
-    ar_below: float = 0.0  # a sampled request's chain: tokens per cycle under which it gives way to AR (0: never)
+    ar_below: float = 0.0  # a sampled request's cycle: tokens per cycle under which it gives way to AR (0: never)
 
     def to_dict(self) -> dict:
         out = {"mode": self.mode, "tree": self.tree, "lookup": self.lookup, "why": self.why,

@@ -421,8 +421,8 @@ class OrthrusLM(nn.Module):
         return self.default_choice(context=context) if greedy else self.sampling_choice(context=context)
 
     def sampling_choice(self, remeasure: bool = False, context: int | None = None):
-        """What a sampled orthrus request with no cycle of its own runs after `context` positions: the chain,
-        giving way to AR where its own acceptance does not pay for its cycles on this CPU (`cycles.sampling_choice`,
+        """What a sampled orthrus request with no cycle of its own runs after `context` positions: the 8-node
+        tree, giving way to AR where its own acceptance does not pay for its cycles on this CPU (`cycles.sampling_choice`,
         from costs kept per kernels and thread count)."""
         from . import cycles
 
@@ -447,7 +447,7 @@ class OrthrusLM(nn.Module):
         adds prompt lookup: up to that many tokens copied from earlier context (both greedy or sampled). Left at
         None (with `k`) a greedy two-pass request with a trained head runs what this CPU's measured costs predict
         fastest after its prompt (`default_choice`: a tree and lookup, or AR where no cycle pays, as after a
-        long prompt; `config["choice"]` says which and why); a sampled one the chain, going on as AR where its
+        long prompt; `config["choice"]` says which and why); a sampled one the 8-node tree, going on as AR where its
         own acceptance does not pay on this CPU's costs (`sampling_choice`); otherwise None takes the fixed
         defaults (`loop.auto_cycle`). 0 turns either off.
 

@@ -317,7 +317,6 @@ def generate_settings(req, ids: list[int], model, defaults: Defaults) -> dict:
     choice checked here, so a request that cannot run is refused before it queues."""
     ext = req.lossless or LosslessOptions()
     temperature = defaults.temperature if req.temperature is None else float(req.temperature)
-    greedy = temperature == 0
     cycle = ext.cycle or defaults.cycle
     if ext.tree and cycle != "two-pass":
         raise ApiError(400, "'lossless.tree' works with the two-pass cycle", param="lossless.tree")
@@ -325,9 +324,9 @@ def generate_settings(req, ids: list[int], model, defaults: Defaults) -> dict:
     if k is not None and k > model.k:
         raise ApiError(400, f"'lossless.k' must be at most the head's k ({model.k}), got {k}", param="lossless.k")
 
-    def default_for(field):  # the server's tree/lookup apply where they can run
+    def default_for(field):  # the server's tree/lookup apply where they can run (greedy or sampled)
         value = getattr(defaults, field)
-        return value if greedy and not (field == "tree" and cycle != "two-pass") else None
+        return value if not (field == "tree" and cycle != "two-pass") else None
 
     tree = ext.tree if ext.tree is not None else default_for("tree")
     lookup = ext.lookup if ext.lookup is not None else default_for("lookup")
