@@ -462,8 +462,8 @@ def tree_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: i
                branch: list[int] = ()) -> list[int]:
     """One two-pass cycle that verifies a tree of draft candidates: draft -> choose this cycle's
     tree (cfg.tree nodes, or the chain of top drafts) and add `branch` (tokens after the last committed one,
-    e.g. a lookup's) -> verify it in one forward -> follow the AR argmax down the tree -> keep the cache rows
-    of the accepted path -> commit."""
+    e.g. a lookup's) -> verify it in one forward -> follow the AR argmax down the tree (sampled: the AR view's
+    draws, each tried on a node's children first) -> keep the cache rows of the accepted path -> commit."""
     depth = min(k - 1, cfg.max_new_tokens - len(state.generated) - 1)  # never draft past max_new_tokens
     if depth < 1:
         return orthrus_cycle(model, state, cfg, 1, generator)
