@@ -50,7 +50,7 @@ def _number(kind, option: str, *, at_least=None, above=None, at_most=None, note:
     return parse
 
 
-SEED_MAX = 2**63 - 1  # what torch's generators take
+SEED_MAX = 2**63 - 1  # the largest seed taken (as torch's generators take)
 
 
 def _add_model_args(p: argparse.ArgumentParser, dtype: str = "fp32", *, head: bool = True, attn: bool = True,
@@ -674,7 +674,7 @@ def _generate_parser(sub) -> None:
     g.add_argument("--top-p", type=_number(float, "--top-p", above=0, at_most=1), default=1.0,
                    help="sample from the smallest set with this mass (1 = no filter)")
     g.add_argument("--seed", type=_number(int, "--seed", at_least=0, at_most=SEED_MAX), default=0,
-                   help="seed of the sampling generator")
+                   help="seed of the sampling draws (each token's draw is keyed by the seed and its position)")
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     g.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     g.add_argument("prompt", help="the text to continue")

@@ -14,7 +14,7 @@ from lossless.decoding import batch as batching
 from lossless.decoding.batch import BatchDecoder
 from lossless.decoding.loop import DecodeConfig, decode
 from lossless.decoding.model import OrthrusLM
-from lossless.decoding.sampling import SamplingConfig
+from lossless.decoding.sampling import Draws, SamplingConfig
 from lossless.errors import LosslessError
 
 SLOW = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -69,7 +69,7 @@ def test_each_sequence_of_a_batch_equals_its_decode_alone(family, dtype, data):
     for i in range(n):
         prompt = data.draw(st.lists(st.integers(0, 62), min_size=1, max_size=40), label=f"prompt{i}")
         temperature = data.draw(st.sampled_from([0.0, 0.0, 0.9]), label=f"temperature{i}")
-        lookup = data.draw(st.sampled_from([0, 4]), label=f"lookup{i}") if temperature == 0 else 0
+        lookup = data.draw(st.sampled_from([0, 4]), label=f"lookup{i}")  # sampled: copies kept by AR's draws
         cfg = DecodeConfig(max_new_tokens=data.draw(st.integers(1, 24), label=f"new{i}"), eos_ids=NO_EOS,
                            lookup=lookup, sampling=SamplingConfig(temperature=temperature, seed=i))
         requests.append((prompt, cfg))
@@ -181,8 +181,6 @@ def test_batching_refuses_stock_kernels_and_what_a_batch_cannot_run():
     dec = BatchDecoder(exact_model("llama", torch.float32))
     with pytest.raises(LosslessError, match="candidate trees"):
         dec.add([1, 2], DecodeConfig(tree=8))
-    with pytest.raises(LosslessError, match="greedy"):
-        dec.add([1, 2], DecodeConfig(lookup=4, sampling=SamplingConfig(temperature=0.5)))
     with pytest.raises(LosslessError, match="context"):
         dec.add([1] * 250, DecodeConfig(max_new_tokens=10))
     from lossless.serving.engine import Engine
@@ -211,8 +209,25 @@ def test_a_greedy_decode_begun_alone_goes_on_in_a_batch_with_the_same_tokens(cut
     assert seq.state.generated == ref.generated and seq.finished == "length"
     assert seq.state.margins == ref.margins[len(begun.generated):]
     assert seq.state.stats.forwards > forwards and seq.state.stats.new_tokens == 20  # counting on
-    with pytest.raises(LosslessError, match="greedy"):
-        dec.add(prompt, DecodeConfig(sampling=SamplingConfig(temperature=0.5)), generated=[1])
+
+
+@pytest.mark.parametrize("cut", [1, 6])
+def test_a_sampled_decode_begun_alone_in_a_tree_goes_on_in_a_batch_with_ar_sampling_tokens(cut):
+    """Sampled, a request's first tokens decoded alone with a candidate tree and the rest in a batch (with prompt
+    lookup) beside another: each token is the one AR's draw at its position chooses, so the whole is `--mode
+    ar`'s with the same seed, whenever the batch took it over."""
+    model = exact_model("llama", torch.bfloat16)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5]
+    cfg = DecodeConfig(max_new_tokens=24, eos_ids=NO_EOS, lookup=4, sampling=SamplingConfig(temperature=0.8, seed=5))
+    ref = alone(model, prompt, cfg)
+    begun = decode(model, prompt, "orthrus", dataclasses.replace(cfg, tree=6, lookup=0, stop_after=cut))
+    assert begun.generated == ref.generated[: len(begun.generated)] and len(begun.generated) >= cut
+    dec = BatchDecoder(model, prefill_chunk=5)
+    other = dec.add([7, 7, 2], DecodeConfig(max_new_tokens=20, eos_ids=NO_EOS))
+    seq = dec.add(prompt, dataclasses.replace(cfg, record_margins=True), generated=begun.generated, stats=begun.stats)
+    while seq.finished is None or other.finished is None:
+        dec.step()
+    assert seq.state.generated == ref.generated and seq.state.margins == ref.margins[len(begun.generated):]
 
 
 @pytest.mark.parametrize("neighbour", [False, True])
@@ -306,11 +321,12 @@ def test_an_engine_fails_only_the_job_whose_own_step_failed(monkeypatch):
     from lossless.serving.engine import Engine, Job
 
     real = batch_module.sample
+    doomed = {Draws(13).at(i) for i in range(12)}  # the seed-13 request's draws
 
-    def sample(probs, generator):  # the seed-13 request's sampling fails, as an unsampleable one did
-        if generator.initial_seed() == 13:
+    def sample(probs, u):  # the seed-13 request's sampling fails, as an unsampleable one did
+        if u in doomed:
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-        return real(probs, generator)
+        return real(probs, u)
     monkeypatch.setattr(batch_module, "sample", sample)
     model = exact_model("llama", torch.float32)
     engine = Engine(model, batch=4)

@@ -244,7 +244,7 @@ def test_commit_truncates_a_chunk_at_max_new_tokens_and_at_eos(models):
         (DecodeConfig(max_new_tokens=4, eos_ids=NO_EOS), 4, "length"),
         (DecodeConfig(max_new_tokens=10, eos_ids=(ref[i],)), i + 1, "eos"),
     ]:
-        state = decoding.prefill(model, prompt, cfg, cfg.sampling.generator(model.device))
+        state = decoding.prefill(model, prompt, cfg, cfg.sampling.draws())
         model.verify(state.cache, [state.tokens[-1], *ref[1:8]])  # the cache now holds a whole block
         kept = decoding.commit(state, ref[1:9], cfg)
         assert state.generated == ref[:expect_len]
@@ -383,8 +383,8 @@ def test_rejection_sampling_matches_ar_sampling_in_distribution(spread_model, ar
 def test_chi2_check_has_power_against_uncorrected_draft_sampling(spread_model, ar_samples, monkeypatch):
     """Negative control: keep every draft (token 2 ~ q, no rejection step); the same test must reject."""
 
-    def accept_everything(drafts, q, p, generator):
-        return len(drafts), sample(p[len(drafts)], generator)
+    def accept_everything(drafts, q, logits, sampling, draws, first):
+        return len(drafts), sample(sampling.probs(logits[len(drafts)]), draws.at(first + len(drafts)))
 
     monkeypatch.setattr(decoding, "accept_sampling", accept_everything)
     ar = ar_samples
@@ -393,9 +393,9 @@ def test_chi2_check_has_power_against_uncorrected_draft_sampling(spread_model, a
 
 
 def test_a_sampled_tree_matches_ar_sampling_in_distribution(spread_model, ar_samples):
-    """A tree of the draft's 3 most probable tokens, sampled: the AR view's draw at the root tried on the
-    children first (`try_candidates`), then drawn from the rest. Token 2 must follow AR's distribution, and a
-    child is taken at the rate p(children) implies."""
+    """A tree of the draft's 3 most probable tokens, sampled: at the root, the token AR's draw chooses, kept on a
+    child that holds it. Token 2 must follow AR's distribution (other seeds than AR's own), and a child is taken
+    at the rate p(children) implies."""
     accepted: list[int] = []
     tree = _first_two_tokens(spread_model, "orthrus", range(3 * N_SAMPLES, 4 * N_SAMPLES), accepted, tree=3)
     assert _chi2_pvalue(ar_samples, tree) > 1e-3
@@ -403,24 +403,9 @@ def test_a_sampled_tree_matches_ar_sampling_in_distribution(spread_model, ar_sam
     assert 0.3 < rate < 0.97  # (a tree of 3 of 8 tokens: most draws, not all)
 
 
-def test_chi2_check_has_power_against_a_tree_that_takes_its_first_child_too_often(spread_model, ar_samples,
-                                                                                 monkeypatch):
-    """Negative control: the first candidate taken with twice its chance; the same test must reject."""
-    real = decoding.try_candidates
-
-    def biased(p, candidates, generator):
-        if candidates and float(torch.rand((), generator=generator)) < float(p[candidates[0]]):
-            return 0, None
-        return real(p, candidates, generator)
-
-    monkeypatch.setattr(decoding, "try_candidates", biased)
-    skewed = _first_two_tokens(spread_model, "orthrus", range(4 * N_SAMPLES, 5 * N_SAMPLES), tree=3)
-    assert _chi2_pvalue(ar_samples, skewed) < 1e-3
-
-
 def test_a_sampled_tree_two_levels_deep_matches_ar_sampling_in_distribution():
     """A tree of 6 nodes over two draft positions (k = 3; at most 4 at the first): the walk goes on from a child taken at the root, with
-    the AR view's distribution at that child's row. The first three tokens must follow AR sampling's."""
+    the AR view's distribution at that child's row and the draw of its position. The first three tokens must follow AR sampling's."""
     backbone = tiny_backbone("llama", vocab=8)
     with torch.no_grad():
         backbone.lm_head.weight.mul_(0.5)
@@ -445,69 +430,89 @@ def test_a_sampled_tree_two_levels_deep_matches_ar_sampling_in_distribution():
     assert accepted.count(2) > N_SAMPLES // 40  # (the walk went past the root's children, often)
 
 
-@pytest.mark.parametrize("candidates", [[3, 0, 5], [2], [1, 3, 5, 7], [4, 6]], ids=str)
-def test_trying_candidates_draws_from_p_whatever_they_are(candidates):
-    """`try_candidates` gives a draw from p however many candidates and which (a goodness-of-fit test over 20,000
-    draws, zeros in p, a candidate of no chance), never a token of no chance, and every bit of p's mass on the
-    candidates never falls through to the rest."""
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_sampled_trees_and_copies_commit_ar_samplings_tokens_for_the_same_seed(family):
+    """On exact kernels a sampled decode whose candidates are chosen without a draw (a tree, with or without
+    looked-up copies beside it; two levels deep too) commits `--mode ar`'s tokens for the same seed, token for
+    token, while taking candidates; a sampled chain, whose drafts are drawn from q and accepted by rejection
+    sampling, gives other tokens for some seeds (a draw from the same distribution, not the same draw)."""
+    from test_exact import exact_tiny
+
+    model = exact_tiny(family, torch.bfloat16)
+    prompt = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9]
+    taken, chain_differs = 0, False
+    for seed in range(8):
+        sampling = SamplingConfig(temperature=0.9, top_k=[0, 20][seed % 2], top_p=[1.0, 0.95][seed % 2 == 0], seed=seed)
+        cfg = DecodeConfig(max_new_tokens=20, eos_ids=NO_EOS, sampling=sampling)
+        ar = decode(model, prompt, "ar", cfg)
+        for cycle in (dict(tree=4), dict(tree=8, lookup=6), dict(tree=6, k=3)):
+            out = decode(model, prompt, "orthrus", dataclasses.replace(cfg, **cycle))
+            assert out.generated == ar.generated, (seed, cycle)
+            taken += sum(out.stats.accepted)
+        chain = decode(model, prompt, "orthrus", dataclasses.replace(cfg, k=4))
+        chain_differs = chain_differs or chain.generated != ar.generated
+    assert taken > 0 and chain_differs
+
+
+def test_a_decodes_draws_are_keyed_by_position_and_uniform():
+    """`Draws.at(i, what)` is a function of the seed, i and what alone (a fresh object gives it again, in any
+    order); seeds, positions and purposes give other draws; over 20,000 positions they are uniform on [0, 1)."""
+    from scipy.stats import kstest
+
+    from lossless.decoding.sampling import DRAFT, TEST, TOKEN, Draws
+
+    a, b = Draws(11), Draws(11)
+    forward = [a.at(i) for i in range(50)]
+    assert [b.at(i) for i in reversed(range(50))][::-1] == forward
+    assert len(set(forward)) == 50 and all(0.0 <= u < 1.0 for u in forward)
+    assert Draws(12).at(3) != a.at(3) and len({a.at(3, w) for w in (TOKEN, DRAFT, TEST)}) == 3
+    assert kstest([a.at(i) for i in range(20_000)], "uniform").pvalue > 1e-3
+
+
+def test_copies_are_kept_where_ars_draw_chooses_them_and_a_miss_commits_that_draw():
+    """Drafts without a q (copied from the context): kept while each is the token AR's draw at its position chooses
+    from its row's p; the first that is not ends the cycle with the token the draw chose; after the last, the
+    bonus is AR's draw too. Over 20,000 seeds the first committed token follows p's first row."""
     from scipy.stats import chisquare
 
-    p = torch.tensor([0.3, 0.0, 0.1, 0.25, 0.05, 0.2, 0.1, 0.0])
-    g = torch.Generator().manual_seed(1)
-    draws = Counter()
-    for _ in range(20_000):
-        taken, token = decoding.try_candidates(p, candidates, g)
-        draws[candidates[taken] if taken is not None else token] += 1
-    seen = [i for i, w in enumerate(p.tolist()) if w > 0]
-    assert set(draws) <= set(seen)
-    share = p.double() / p.double().sum()
-    assert chisquare([draws[i] for i in seen], [20_000 * float(share[i]) for i in seen]).pvalue > 1e-3
-    onto = torch.zeros(8)
-    onto[candidates] = 1.0 / len(candidates)  # (with rounding, the last one may have to take what is left)
-    assert all(decoding.try_candidates(onto, candidates, g)[0] is not None for _ in range(200))
+    from lossless.decoding.sampling import Draws
 
-
-def test_copied_drafts_are_accepted_as_point_masses_when_sampling():
-    """Drafts without a q (copied from the context) are accepted with probability p(x), else the token is drawn
-    from p without x: the first committed token follows p's first row (goodness of fit over 20,000 cycles)."""
-    from scipy.stats import chisquare
-
-    p = torch.tensor([[0.5, 0.2, 0.0, 0.3], [0.1, 0.1, 0.4, 0.4], [0.25, 0.25, 0.25, 0.25]])
-    g = torch.Generator().manual_seed(2)
+    logits = torch.log(torch.tensor([[0.5, 0.2, 1e-30, 0.3], [0.1, 0.1, 0.4, 0.4], [0.25, 0.25, 0.25, 0.25]]))
+    sampling = SamplingConfig(temperature=1.0)
     first = Counter()
-    for _ in range(20_000):
-        n, bonus = decoding.accept_sampling([0, 2], None, p, g)
-        first[0 if n > 0 else bonus] += 1
+    for seed in range(20_000):
+        draws = Draws(seed)
+        ar = [sample(sampling.probs(logits[j]), draws.at(7 + j)) for j in range(3)]
+        n, token = decoding.accept_sampling([0, 2], None, logits, sampling, draws, 7)
+        want = next((j for j in range(2) if ar[j] != [0, 2][j]), 2)
+        assert (n, token) == (want, ar[want])
+        first[0 if n > 0 else token] += 1
     assert first[2] == 0
-    share = p[0].double() / p[0].double().sum()
-    assert chisquare([first[i] for i in (0, 1, 3)], [20_000 * float(share[i]) for i in (0, 1, 3)]).pvalue > 1e-3
+    p = sampling.probs(logits[0]).double()
+    assert chisquare([first[i] for i in (0, 1, 3)], [20_000 * float(p[i] / p.sum()) for i in (0, 1, 3)]).pvalue > 1e-3
 
 
-def test_a_draw_follows_the_distribution_and_never_takes_a_token_of_no_chance(monkeypatch):
-    """`sample` draws token i with chance probs[i] / sum(probs) (a goodness-of-fit test over 20,000 draws from
-    unnormalised weights with zeros among them), never a zero-weight token, even where the uniform draw lands on
-    the whole sum (rounding), and one seed gives one sequence of draws; weights that are no distribution are
-    refused."""
+def test_a_draw_follows_the_distribution_and_never_takes_a_token_of_no_chance():
+    """`sample` takes token i for a share probs[i] / sum(probs) of the uniform draws (a goodness-of-fit test over
+    20,000 draws from unnormalised weights with zeros among them), never a zero-weight token, even where the draw
+    lands on the whole sum (rounding); weights that are no distribution are refused."""
     from scipy.stats import chisquare
+
+    from lossless.decoding.sampling import Draws
 
     weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 5e-3, 2.0, 0.0, 0.5, 0.0])
-    g = torch.Generator().manual_seed(0)
-    draws = Counter(sample(weights, g) for _ in range(20_000))
-    assert set(draws) <= {i for i, w in enumerate(weights.tolist()) if w > 0}
+    draws = Draws(0)
+    chosen = Counter(sample(weights, draws.at(i)) for i in range(20_000))
+    assert set(chosen) <= {i for i, w in enumerate(weights.tolist()) if w > 0}
     seen = [i for i, w in enumerate(weights.tolist()) if w > 0]
     expected = [20_000 * float(weights[i] / weights.sum()) for i in seen]
-    assert chisquare([draws[i] for i in seen], expected).pvalue > 1e-3
-    skewed = Counter(sample(torch.tensor([1.0, 1.0]), g) for _ in range(2_000))  # a fair coin is fair
-    assert 850 < skewed[0] < 1150
-    again = [torch.Generator().manual_seed(7) for _ in range(2)]
-    assert [sample(weights, again[0]) for _ in range(50)] == [sample(weights, again[1]) for _ in range(50)]
-    from lossless.decoding import sampling
-
+    assert chisquare([chosen[i] for i in seen], expected).pvalue > 1e-3
+    coin = Counter(sample(torch.tensor([1.0, 1.0]), draws.at(i, 1)) for i in range(2_000))  # a fair coin is fair
+    assert 850 < coin[0] < 1150
+    assert sample(weights, 0.0) == 1 and sample(weights, 1.0) == 7  # the whole sum: the last token with a chance
     for bad in ([0.5, float("nan")], [0.0, 0.0], [1.0, -0.5], [1.0, float("inf")]):
         with pytest.raises(RuntimeError, match="cannot sample"):
-            sample(torch.tensor(bad), g)
-    monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
-    assert sample(weights, g) == 7  # the whole sum: the last token with a chance, not the zero after it
+            sample(torch.tensor(bad), 0.5)
 
 
 # ------------------------------------------------------------------------------------ sampling options

@@ -243,8 +243,8 @@ def test_fused_rejection_sampling_matches_ar_sampling_in_distribution(spread_mod
 def test_chi2_check_has_power_against_uncorrected_fused_sampling(spread_model, ar_tokens_2_3, monkeypatch):  # noqa: F811
     """Negative control: keep every group draft (token 3 ~ q, no rejection step); the test must reject."""
 
-    def accept_everything(drafts, q, p, generator):
-        return len(drafts), sample(p[len(drafts)], generator)
+    def accept_everything(drafts, q, logits, sampling, draws, first):
+        return len(drafts), sample(sampling.probs(logits[len(drafts)]), draws.at(first + len(drafts)))
 
     monkeypatch.setattr(decoding, "accept_sampling", accept_everything)
     counts, _ = _first_two_fused(spread_model, range(2 * N_SAMPLES, 3 * N_SAMPLES))

@@ -1,7 +1,8 @@
 """`lossless serve --batch N`, live: concurrent requests decode together, one forward per step, and each gets the
 answer it gets alone (greedy: `lossless generate`'s in any mode, exact kernels; sampled: `--mode ar`'s with the same
 seed), streamed or not, its prompt joining in chunks, cut at its stop strings; a client that goes away leaves the
-batch and the others finish; a greedy request that finds the server idle decodes alone in the default cycle."""
+batch and the others finish; a request that finds the server idle decodes alone (greedy in the default cycle,
+sampled in a tree, whose tokens are AR's draws) and goes on in the batch when another comes."""
 
 from __future__ import annotations
 
@@ -61,10 +62,10 @@ def test_concurrent_requests_decode_together_and_each_gets_its_answer_alone(batc
         assert text == want[(i, kind)], (i, kind, stream)
         info = ran[(i, kind, stream)]
         assert info["exact"] is True
-        if info.get("batched"):  # in the batch: AR steps, with prompt lookup when greedy
-            assert info["mode"] == "ar" and info["tree"] == 0
-            assert info["lookup"] == (DEFAULT_LOOKUP if kind == "greedy" else 0)
-        else:  # a greedy request that found the server idle decodes alone, in the default cycle
+        if info.get("batched"):  # in the batch: AR steps, with prompt lookup
+            assert info["mode"] == "ar" and info["tree"] == 0 and info["lookup"] == DEFAULT_LOOKUP
+        else:  # a greedy request that found the server idle decodes alone, in the default cycle (a sampled one's,
+            # with this untrained head, is the chain, whose draws are not AR's: it decodes in the batch)
             assert kind == "greedy" and info["mode"] == "orthrus"
     assert len(got) == 16 and sum(bool(info.get("batched")) for info in ran.values()) >= 8  # every sampled one
     _, text = batched.get("/metrics")
@@ -94,7 +95,8 @@ def test_stop_strings_and_a_client_that_leaves_in_a_batch(batched, model_dir):  
     full = client.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=16).choices[0]
     stop = " " + full.message.content.split()[5]
     want = full.message.content.split(stop)[0]
-    # a long sampled decode (sampled requests always decode in the batch) that its client abandons
+    # a long sampled decode (in the batch: with this untrained head its own cycle is the chain) that its client
+    # abandons
     # (a low temperature: the model never ends it with EOS, whose logit is 0)
     before = batched.metric("lossless_generated_tokens_total")
     long, _ = _stream(batched, {"prompt": PROMPT, "max_tokens": CONTEXT - 16, "temperature": 0.05, "seed": 3})
@@ -123,6 +125,26 @@ def test_a_greedy_request_decoding_alone_joins_the_batch_when_another_comes(batc
     ran = [e["lossless"] for e in events if e.get("lossless")][-1]
     assert text == want["text"] and ran["finish"] == "length"
     assert ran["batched"] is True and ran["alone_first"]["mode"] == "orthrus"
+    assert 0 < ran["alone_first"]["tokens"] < n
+
+
+def test_a_sampled_request_decoding_alone_in_a_tree_joins_the_batch_with_ar_samplings_tokens(batched, model_dir,  # noqa: F811
+                                                                                                 capsys):
+    """Sampled with a tree, a request alone decodes in its tree, goes on in the batch when another comes, and its
+    text is `lossless generate --mode ar`'s with the same seed (every token its position's draw)."""
+    n = 1500
+    want = _generate(capsys, model_dir, "--max-new-tokens", str(n), "--no-chat-template", "--mode", "ar",
+                     "--temperature", "0.05", "--seed", "4", PROMPT)
+    _idle(batched)
+    resp, first = _stream(batched, {"prompt": PROMPT, "max_tokens": n, "temperature": 0.05, "seed": 4,
+                                    "lossless": {"tree": 4}})
+    other = batched.client().completions.create(model=str(model_dir), prompt=PROMPTS[1], max_tokens=8)
+    assert other.model_extra["lossless"]["batched"] is True
+    events = _events(resp, first)
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    ran = [e["lossless"] for e in events if e.get("lossless")][-1]
+    assert text == want["text"] and ran["finish"] == "length"
+    assert ran["batched"] is True and ran["alone_first"]["mode"] == "orthrus" and ran["alone_first"]["tree"] == 4
     assert 0 < ran["alone_first"]["tokens"] < n
 
 

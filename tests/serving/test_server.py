@@ -24,6 +24,7 @@ import torch
 
 from conftest import free_port, tiny_backbone, tiny_tokenizer
 from lossless.cli import main
+from lossless.names import DEFAULT_LOOKUP
 
 CONTEXT = 2048  # long enough that a decode runs for seconds (the disconnect test), short enough for one request
 PROMPT = "w1 w5 w9 w3"
@@ -206,14 +207,17 @@ def test_sampling_with_a_seed_is_reproducible_and_says_its_seed(server, model_di
     a = client.completions.create(seed=7, **kw)
     b = client.completions.create(seed=7, **kw)
     assert a.choices[0].text == b.choices[0].text and a.model_extra["lossless"]["seed"] == 7
-    assert a.model_extra["lossless"]["tree"] == 0 and a.model_extra["lossless"]["lookup"] == 0
+    # (this untrained head's sampled cycle is the chain, whose draws are not AR's: batched AR steps with lookup)
+    assert a.model_extra["lossless"]["batched"] is True and a.model_extra["lossless"]["tree"] == 0
+    assert a.model_extra["lossless"]["lookup"] == DEFAULT_LOOKUP
     fresh = [client.completions.create(**kw).model_extra["lossless"]["seed"] for _ in range(2)]
     assert fresh[0] != fresh[1]
-    # a tree and prompt lookup may be asked for when sampling (this server batches sampled requests as AR steps,
-    # and says so; a server of one request at a time runs them: test_connections_past_the_limit...)
+    # a tree and prompt lookup may be asked for when sampling: a request alone decodes in them, and its tokens are
+    # AR's draws, the batched request's with the same seed
     treed = [client.completions.create(seed=7, extra_body={"lossless": {"tree": 4, "lookup": 8}}, **kw) for _ in range(2)]
-    assert treed[0].choices[0].text == treed[1].choices[0].text
-    assert (treed[0].model_extra["lossless"]["tree"], treed[0].model_extra["lossless"]["lookup"]) == (0, 0)
+    assert treed[0].choices[0].text == treed[1].choices[0].text == a.choices[0].text
+    ran = treed[0].model_extra["lossless"]
+    assert (ran["mode"], ran["tree"], ran["lookup"]) == ("orthrus", 4, 8) and not ran.get("batched")
 
 
 LONG = " ".join(["w7"] * (CONTEXT + 10))

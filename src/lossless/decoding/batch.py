@@ -22,9 +22,10 @@ holding keys a row sees, so with each sequence's keys together a row reads its o
 
 Each sequence is an ordinary `DecodeState` whose cache is its `Slots`, so `loop.commit` (EOS, length, cropping
 the cache to the committed tokens) runs unchanged; the step reuses the loop's token choice, prompt lookup and
-greedy acceptance. What a step may run: AR (greedy or sampled: a sequence draws from its own generator) and,
-greedy, prompt lookup (`lookup`: tokens copied from earlier context verified in the same forward; no draft
-pass). The draft view's passes stay with the single-sequence loops.
+greedy acceptance. What a step may run: AR (greedy or sampled: a sequence's draws are its seed's, keyed by
+position, `sampling.Draws`) and prompt lookup (`lookup`: tokens copied from earlier context verified in the same
+forward, no draft pass; sampled, a copy is kept when it is the token AR's draw chooses). So a sequence commits
+the tokens it commits alone, greedy or sampled. The draft view's passes stay with the single-sequence loops.
 
 This module knows no server, tokenizer or text; `serving/engine.py` drives `BatchDecoder.step`.
 """
@@ -40,9 +41,9 @@ import torch
 
 from ..errors import LosslessError
 from ..names import EXACT, PREFILL_CHUNK
-from .loop import (LOOKUP_ALONE, DecodeConfig, DecodeState, DecodeStats, accept_greedy, commit, lookup_proposal,
-                   validate)
-from .sampling import argmax, sample
+from .loop import (LOOKUP_ALONE, DecodeConfig, DecodeState, DecodeStats, accept_greedy, accept_sampling, commit,
+                   lookup_proposal, validate)
+from .sampling import Draws, argmax, sample
 
 # Compaction copies every live row of the shared cache once; it runs when the rows nobody sees are more than the
 # live ones and at least this many (a few steps of a full batch), so a step rarely pays for it.
@@ -101,7 +102,7 @@ class Sequence:
 
     state: DecodeState
     cfg: DecodeConfig
-    generator: torch.Generator
+    draws: Draws
     on_tokens: Callable[[list[int]], None] | None = None
     pending: list[int] = field(default_factory=list)  # ids to feed: the prompt rows not run yet, then the last token
     drafts: list[int] = field(default_factory=list)  # this step's lookup tokens, after `pending`
@@ -135,7 +136,7 @@ class BatchDecoder:
     def add(self, prompt_ids: list[int], cfg: DecodeConfig, on_tokens=None, generated: list[int] = (),
             stats: DecodeStats | None = None, cache=None) -> Sequence:
         """A new sequence; it joins the next step (which runs its prompt beside the others' rows). `generated`:
-        tokens a greedy decode of this request already committed elsewhere (alone, in another cycle); the sequence
+        tokens a decode of this request already committed elsewhere (alone, in another cycle); the sequence
         goes on after them, its `stats` counting on from that decode's. Its first step runs the prompt and them
         (the same keys, so the same next tokens), unless that decode's `cache` is handed over: its keys and values
         of every token but the last (what an exact-mode decode holds after a commit) are then moved into the
@@ -144,19 +145,15 @@ class BatchDecoder:
         if not cfg.eos_ids:
             cfg = dataclasses.replace(cfg, eos_ids=tuple(self.model.eos_token_ids()))
         validate(self.model, prompt_ids, cfg, "ar")
-        if cfg.lookup and not cfg.sampling.greedy:
-            raise LosslessError("prompt lookup verifies greedy choices: drop --lookup or use --temperature 0")
         if cfg.tree or cfg.cycle != "two-pass":
-            raise LosslessError("a batch runs AR steps (with prompt lookup, greedy): candidate trees and the fused "
-                                "cycle decode one sequence at a time")
-        if generated and not cfg.sampling.greedy:
-            raise LosslessError("only a greedy decode continues in a batch: a sampled one would draw other samples")
+            raise LosslessError("a batch runs AR steps (with prompt lookup): candidate trees and the fused cycle "
+                                "decode one sequence at a time")
         tokens = [*prompt_ids, *generated]
         if cache is not None and (not generated or cache.get_seq_length() != len(tokens) - 1):
             raise LosslessError(f"a handed-over cache holds the keys of every token but the last: "
                                 f"{len(tokens) - 1} positions, got {cache.get_seq_length()}")
         state = DecodeState(tokens=list(tokens), n_prompt=len(prompt_ids), cache=Slots(), stats=stats or DecodeStats())
-        seq = Sequence(state=state, cfg=cfg, generator=cfg.sampling.generator(self.model.device), on_tokens=on_tokens,
+        seq = Sequence(state=state, cfg=cfg, draws=cfg.sampling.draws(), on_tokens=on_tokens,
                        pending=list(tokens), started=time.perf_counter() - state.stats.seconds)
         if cache is not None:
             state.cache.append(*self._move_in(cache))
@@ -227,7 +224,7 @@ class BatchDecoder:
 
     def _lookup(self, seq: Sequence) -> list[int]:
         cfg, state = seq.cfg, seq.state
-        if not cfg.lookup or not cfg.sampling.greedy or not state.generated:
+        if not cfg.lookup or not state.generated:
             return []
         room = cfg.max_new_tokens - len(state.generated) - 1  # never verify past max_new_tokens
         copy, size = lookup_proposal(state.tokens, min(cfg.lookup, room))
@@ -286,8 +283,10 @@ class BatchDecoder:
         prefill = not state.generated
         if cfg.sampling.greedy:
             n_accepted, token = accept_greedy(seq.drafts, logits) if seq.drafts else (0, int(argmax(logits[0])))
+        elif seq.drafts:  # copies, kept where AR's draw chooses them
+            n_accepted, token = accept_sampling(seq.drafts, None, logits, cfg.sampling, seq.draws, len(state.generated))
         else:
-            n_accepted, token = 0, sample(cfg.sampling.probs(logits[0]), seq.generator)
+            n_accepted, token = 0, sample(cfg.sampling.probs(logits[0]), seq.draws.at(len(state.generated)))
         if seq.drafts:
             state.stats.accepted.append(n_accepted)
         new = commit(state, [*seq.drafts[:n_accepted], token], cfg, logits[: n_accepted + 1])

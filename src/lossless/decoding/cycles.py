@@ -165,7 +165,7 @@ def choose(profile: dict, costs: dict, margin: float = MARGIN, context: int | No
 
 
 def sampling_choice(costs: dict | None, k: int, context: int | None = None) -> Choice:
-    """A sampled request's default: the tree of SAMPLED_TREE nodes (its candidates tried as point masses, one
+    """A sampled request's default: the tree of SAMPLED_TREE nodes (its candidates kept where AR's draws choose them, one
     verify of SAMPLED_TREE + 1 rows: as many as the chain's of block size 8, and it commits about a tenth more
     tokens a cycle), giving way to AR once its tokens per cycle (after FALLBACK_CYCLES cycles) fall below the
     break-even these costs give after `context` cached positions (a draft pass, the tree's verify and a cycle's

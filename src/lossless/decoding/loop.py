@@ -3,7 +3,7 @@
 - `two-pass` (the authors' Orthrus, the default): draft -> verify -> accept -> commit, two forwards;
   with `tree` > 0, the verify pass checks a tree of draft candidates (the top drafts and their runners-up,
   `build_tree`) instead of one chain, and keeps the longest path the AR view agrees with (greedy) or its draws
-  take (sampled: `try_candidates`);
+  take (sampled: the token AR's draw chooses at each node, while a child holds it);
 - `fused`: one forward verifies the pending block and drafts the next one for every possible acceptance
   count (`OrthrusLM.verify_and_draft`) -> accept -> commit -> keep the drafts of the group that matches.
 
@@ -30,7 +30,7 @@ import torch
 from ..errors import LosslessError
 from ..names import DEFAULT_LOOKUP, DEFAULT_TREE, check_cycle, check_mode, check_tree
 from .cycles import FALLBACK_CYCLES
-from .sampling import SamplingConfig, argmax, sample, top_candidates
+from .sampling import DRAFT, RESIDUAL, TEST, Draws, SamplingConfig, argmax, sample, top_candidates
 
 
 class DecodingModel(Protocol):
@@ -234,8 +234,9 @@ class GenerationOutput:
 
 class Drafter(Protocol):
     def __call__(self, model: DecodingModel, state: DecodeState, k: int, sampling: SamplingConfig,
-                 generator: torch.Generator) -> tuple[list[int], torch.Tensor | None]:
-        """Propose k-1 draft ids (and their sampling distributions q [k-1, V] when sampling)."""
+                 draws: Draws) -> tuple[list[int], torch.Tensor | None]:
+        """Propose k-1 draft ids for the next positions (and their sampling distributions q [k-1, V] when
+        sampling)."""
 
 
 TOP_N = 5  # top tokens kept per committed token when margins are recorded (what a reader sees at a divergence)
@@ -253,19 +254,21 @@ def top_tokens(logits: torch.Tensor, n: int = TOP_N) -> list[list[list]]:
     return [[[int(i), float(v)] for i, v in zip(ids, vals)] for ids, vals in zip(top.indices.tolist(), top.values.tolist())]
 
 
-def propose(logits: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[list[int], torch.Tensor | None]:
-    """Draft ids from draft logits [m, V]: the argmax (greedy), or samples with their distributions q [m, V]."""
+def propose(logits: torch.Tensor, sampling: SamplingConfig, draws: Draws,
+            first: int) -> tuple[list[int], torch.Tensor | None]:
+    """Draft ids from draft logits [m, V] for generated positions first, first + 1, ..: the argmax (greedy), or
+    samples (each position's DRAFT draw) with their distributions q [m, V]."""
     if sampling.greedy:
         return argmax(logits).tolist(), None
     q = sampling.probs(logits)
-    return [sample(q[j], generator) for j in range(q.shape[0])], q
+    return [sample(q[j], draws.at(first + j, DRAFT)) for j in range(q.shape[0])], q
 
 
-def model_drafter(model, state, k, sampling, generator):
+def model_drafter(model, state, k, sampling, draws):
     """The draft view: one forward over [last token, MASK x (k-1)]."""
     logits = model.draft(state.cache, state.tokens[-1], k)  # [k-1, V]
     state.stats.forwards += 1
-    return propose(logits, sampling, generator)
+    return propose(logits, sampling, draws, len(state.generated))
 
 
 # ------------------------------------------------------------------------------------------ shared phases
@@ -314,12 +317,12 @@ def validate(model: DecodingModel, prompt_ids: list[int], cfg: DecodeConfig, mod
     return k
 
 
-def prefill(model: DecodingModel, prompt_ids: list[int], cfg: DecodeConfig, generator) -> DecodeState:
+def prefill(model: DecodingModel, prompt_ids: list[int], cfg: DecodeConfig, draws: Draws) -> DecodeState:
     """Phase 0: run the prompt, commit the first token from its last logits."""
     state = DecodeState(tokens=list(prompt_ids), n_prompt=len(prompt_ids))
     state.cache, logits = model.prefill(prompt_ids)
     state.stats.forwards += 1
-    first = int(argmax(logits)) if cfg.sampling.greedy else sample(cfg.sampling.probs(logits), generator)
+    first = int(argmax(logits)) if cfg.sampling.greedy else sample(cfg.sampling.probs(logits), draws.at(0))
     commit(state, [first], cfg, logits[None])
     return state
 
@@ -347,11 +350,14 @@ def commit(state: DecodeState, new_tokens: list[int], cfg: DecodeConfig, logits:
 
 
 # ----------------------------------------------------------------------------------------------- cycles
-def ar_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, generator) -> list[int]:
-    """One AR step: feed the last token, choose the next."""
+def ar_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, draws: Draws) -> list[int]:
+    """One AR step: feed the last token, choose the next (sampled: by the draw of its position)."""
     logits = model.step(state.cache, state.tokens[-1])
     state.stats.forwards += 1
-    tok = int(argmax(logits)) if cfg.sampling.greedy else sample(cfg.sampling.probs(logits), generator)
+    if cfg.sampling.greedy:
+        tok = int(argmax(logits))
+    else:
+        tok = sample(cfg.sampling.probs(logits), draws.at(len(state.generated)))
     return commit(state, [tok], cfg, logits[None])
 
 
@@ -367,71 +373,55 @@ def accept_greedy(drafts: list[int], logits: torch.Tensor) -> tuple[int, int]:
     return n_accepted, targets[n_accepted]
 
 
-def accept_sampling(drafts: list[int], q: torch.Tensor | None, p: torch.Tensor, generator) -> tuple[int, int]:
-    """Speculative rejection sampling: accept draft x with prob min(1, p(x)/q(x)); on rejection sample
-    from normalize(max(0, p - q)); after a full accept sample the bonus token from p. p [k, V], q [k-1, V].
-    q None: drafts chosen without a draw (copied from the context), each a point mass: x accepted with prob
-    p(x), else the token drawn from p without x (`try_candidates`)."""
+def accept_sampling(drafts: list[int], q: torch.Tensor | None, logits: torch.Tensor, sampling: SamplingConfig,
+                    draws: Draws, first: int) -> tuple[int, int]:
+    """Sampled acceptance of drafts for generated positions first, first + 1, .. against the verify rows logits
+    [len(drafts) + 1, V] (p: each row's processed distribution, taken row by row as an AR step takes its one).
+    Drafts chosen without a draw (q None: copied from the context) are candidates: one is kept when it is the
+    token AR's draw at its position chooses from p, else that token ends the cycle, so every committed token is
+    the one an AR step would commit. Drafts drawn from q go through speculative rejection sampling: x kept with
+    chance min(1, p(x) / q(x)) (the position's TEST draw), else a token drawn from normalize(max(0, p - q)) (its
+    RESIDUAL draw): a draw from p. After the last draft, AR's own draw chooses the bonus token."""
     for j, x in enumerate(drafts):
+        p = sampling.probs(logits[j])
         if q is None:
-            chosen, token = try_candidates(p[j], [x], generator)
-            if chosen is not None:
+            token = sample(p, draws.at(first + j))
+            if token == x:
                 continue
             return j, token
-        ratio = (p[j, x] / q[j, x]).clamp(max=1.0)
-        u = torch.rand((), generator=generator, device=p.device)
-        if u < ratio:
+        qx = float(q[j, x])  # (a draft drawn from q has qx > 0; a given drafter's q may say 0: kept, as p / 0)
+        if draws.at(first + j, TEST) < (1.0 if qx <= 0 else min(1.0, float(p[x]) / qx)):
             continue
-        residual = (p[j] - q[j]).clamp(min=0)
+        residual = (p - q[j]).clamp(min=0)
         if float(residual.sum()) <= 0:  # p == q numerically: any draw from p is exact
-            residual = p[j]
-        return j, sample(residual, generator)  # (weights: `sample` draws by their share of the sum)
-    return len(drafts), sample(p[len(drafts)], generator)
-
-
-def try_candidates(p: torch.Tensor, candidates: list[int], generator) -> tuple[int | None, int | None]:
-    """One token drawn from p [V] through candidates chosen without a draw (distinct ids, in any order fixed
-    before it): the first is taken with probability p(c1), else the second with p(c2) / (1 - p(c1)), and so on,
-    each a draw from p given that the ones before it were not taken; if none is, the token is drawn from p without
-    them. So the token is a draw from p, whatever the candidates. Returns (index of the candidate taken, None), or
-    (None, the token drawn)."""
-    mass = p.double()
-    left = float(mass.sum())  # (the mass not yet ruled out)
-    for i, c in enumerate(candidates):
-        pc = float(mass[c])
-        if pc > 0 and float(torch.rand((), dtype=torch.float64, generator=generator, device=p.device)) * left < pc:
-            return i, None
-        left -= pc
-    residual = mass.clone()
-    residual[candidates] = 0
-    if not float(residual.sum()) > 0:  # every bit of p's mass on the candidates: the last one with any (rounding)
-        return max(i for i, c in enumerate(candidates) if float(mass[c]) > 0), None
-    return None, sample(residual, generator)
+            residual = p
+        return j, sample(residual, draws.at(first + j, RESIDUAL))  # (weights: `sample` draws by their share)
+    return len(drafts), sample(sampling.probs(logits[len(drafts)]), draws.at(first + len(drafts)))
 
 
 def accept(state: DecodeState, drafts: list[int], q: torch.Tensor | None, logits: torch.Tensor,
-           cfg: DecodeConfig, generator) -> tuple[int, int]:
+           cfg: DecodeConfig, draws: Draws) -> tuple[int, int]:
     """Phase 3 of both Orthrus cycles: the longest agreeing prefix (greedy) or rejection sampling against the
     drafts' q, plus one AR token; logits [len(drafts) + 1, V] are the verify rows. Records the count."""
     if cfg.sampling.greedy:
         n_accepted, bonus_token = accept_greedy(drafts, logits)
     else:
-        n_accepted, bonus_token = accept_sampling(drafts, q, cfg.sampling.probs(logits), generator)
+        n_accepted, bonus_token = accept_sampling(drafts, q, logits, cfg.sampling, draws, len(state.generated))
     state.stats.accepted.append(n_accepted)
     return n_accepted, bonus_token
 
 
-def orthrus_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, generator,
+def orthrus_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, draws: Draws,
                   drafter: Drafter = model_drafter) -> list[int]:
     """One Orthrus cycle: draft -> verify -> accept -> commit."""
     k = min(k, cfg.max_new_tokens - len(state.generated))  # never draft past max_new_tokens
     # 1. draft: k-1 proposals from one pass of the draft view (nothing to draft when k == 1)
-    drafts, q = drafter(model, state, k, cfg.sampling, generator) if k > 1 else ([], None)
+    drafts, q = drafter(model, state, k, cfg.sampling, draws) if k > 1 else ([], None)
     # 2. verify: the AR view scores [last token, drafts...] in one forward, appending to the cache
     logits = model.verify(state.cache, [state.tokens[-1], *drafts])  # [k, V]
     state.stats.forwards += 1
     # 3. accept: longest agreeing prefix (greedy) or rejection sampling, plus one AR token
-    n_accepted, bonus_token = accept(state, drafts, q, logits, cfg, generator)
+    n_accepted, bonus_token = accept(state, drafts, q, logits, cfg, draws)
     # 4. commit: accepted drafts + the AR token; crop the cache back to the committed length
     return commit(state, [*drafts[:n_accepted], bonus_token], cfg, logits[: n_accepted + 1])
 
@@ -458,15 +448,15 @@ def token_tree(paths, ranks: list[list[int]], branch=()) -> tuple[list[int], lis
     return tokens, parents, children
 
 
-def tree_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, generator,
+def tree_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, draws: Draws,
                branch: list[int] = ()) -> list[int]:
     """One two-pass cycle that verifies a tree of draft candidates: draft -> choose this cycle's
     tree (cfg.tree nodes, or the chain of top drafts) and add `branch` (tokens after the last committed one,
-    e.g. a lookup's) -> verify it in one forward -> follow the AR argmax down the tree (sampled: the AR view's
-    draws, each tried on a node's children first) -> keep the cache rows of the accepted path -> commit."""
+    e.g. a lookup's) -> verify it in one forward -> follow the AR argmax down the tree (sampled: the token AR's
+    draw at each node's position chooses) -> keep the cache rows of the accepted path -> commit."""
     depth = min(k - 1, cfg.max_new_tokens - len(state.generated) - 1)  # never draft past max_new_tokens
     if depth < 1:
-        return orthrus_cycle(model, state, cfg, 1, generator)
+        return orthrus_cycle(model, state, cfg, 1, draws)
     # 1. draft, and the cfg.tree most probable paths through each position's top candidates (or the chain of
     #    top drafts when cfg.tree is 0)
     logits = model.draft(state.cache, state.tokens[-1], depth + 1)  # [depth, V]: the chain cycle's block
@@ -487,42 +477,42 @@ def tree_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: i
     else:
         verify = model.verify_tree(state.cache, block, parents)  # [len(block), V]
     state.stats.forwards += 1
-    # 3. accept: follow the AR argmax from the root while a child holds it (sampling: the AR view's draw at each
-    #    node, tried on the node's children first: `try_candidates`)
+    # 3. accept: follow the AR argmax from the root while a child holds it (sampling: the token the AR view's draw
+    #    at each node's position chooses)
     path_rows = [0]
     if cfg.sampling.greedy:
         targets = argmax(verify).tolist()
         while (row := children.get(path_rows[-1], {}).get(targets[path_rows[-1]])) is not None:
             path_rows.append(row)
         bonus = targets[path_rows[-1]]
-    else:
+    else:  # the token AR's draw at each node's position chooses, while a child holds it
+        first = len(state.generated)
         while True:
-            kids = children.get(path_rows[-1], {})
-            taken, bonus = try_candidates(cfg.sampling.probs(verify[path_rows[-1]]), list(kids), generator)
-            if taken is None:
+            bonus = sample(cfg.sampling.probs(verify[path_rows[-1]]), draws.at(first + len(path_rows) - 1))
+            if (row := children.get(path_rows[-1], {}).get(bonus)) is None:
                 break
-            path_rows.append(list(kids.values())[taken])
+            path_rows.append(row)
     state.stats.accepted.append(len(path_rows) - 1)
     # 4. commit: the accepted path's cache rows move into place, then the path and the AR token are committed
     model.keep_cache_rows(state.cache, start, path_rows)
     return commit(state, [tokens[r - 1] for r in path_rows[1:]] + [bonus], cfg, verify[path_rows])
 
 
-def lookup_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, generator) -> list[int]:
+def lookup_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, draws: Draws) -> list[int]:
     """One two-pass cycle with prompt lookup: if the context's last LOOKUP_ALONE or more tokens occurred
     earlier, verify what followed them (up to cfg.lookup tokens) in one forward, with no draft pass; otherwise
     a draft cycle (the chain, or cfg.tree's tree) whose tree also holds up to LOOKUP_BESIDE looked-up tokens.
     Sampled without a tree, that draft cycle is the sampled chain's (drafts drawn from q accept more often than
-    the top drafts tried as point masses beside copied tokens)."""
+    the top drafts tried as candidates beside copied tokens)."""
     proposal, matched = lookup_proposal(state.tokens, min(cfg.lookup, cfg.max_new_tokens - len(state.generated) - 1))
     if matched >= LOOKUP_ALONE:
-        return orthrus_cycle(model, state, cfg, len(proposal) + 1, generator, drafter=lambda *_: (proposal, None))
+        return orthrus_cycle(model, state, cfg, len(proposal) + 1, draws, drafter=lambda *_: (proposal, None))
     if not cfg.sampling.greedy and not cfg.tree:
-        return orthrus_cycle(model, state, cfg, k, generator)
-    return tree_cycle(model, state, cfg, k, generator, proposal[:LOOKUP_BESIDE])
+        return orthrus_cycle(model, state, cfg, k, draws)
+    return tree_cycle(model, state, cfg, k, draws, proposal[:LOOKUP_BESIDE])
 
 
-def fused_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, generator,
+def fused_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: int, draws: Draws,
                 drafter: Drafter | None = None) -> list[int]:
     """One fused cycle: verify [last token, pending drafts] and draft every possible next block in one
     forward -> accept -> commit -> keep the drafts of the group anchored where acceptance stopped. With
@@ -536,7 +526,7 @@ def fused_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: 
     drafts = state.drafts[: remaining - 1]  # never verify past max_new_tokens
     q = state.draft_q[: len(drafts)] if state.draft_q is not None else None
     group_cap = len(drafts) + 1
-    if cfg.lookup:  # a long enough context match replaces the pending drafts with its copy (sampled: point masses)
+    if cfg.lookup:  # a long enough context match replaces the pending drafts with its copy (sampled: kept by AR's draws)
         copy, matched = lookup_proposal(state.tokens, min(cfg.lookup, remaining - 1))
         if matched >= LOOKUP_ALONE and len(copy) > len(drafts):
             drafts, q, group_cap = copy, None, k  # groups where acceptance usually stops, not one per copied token
@@ -546,7 +536,7 @@ def fused_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: 
     logits, groups = model.verify_and_draft(state.cache, block, list(range(n_groups)), k - 1)  # [len(block), V]
     state.stats.forwards += 1
     # 2. accept: longest agreeing prefix (greedy) or rejection sampling against the drafts' q, plus one AR token
-    n_accepted, bonus_token = accept(state, drafts, q, logits, cfg, generator)
+    n_accepted, bonus_token = accept(state, drafts, q, logits, cfg, draws)
     # 3. commit: accepted drafts + the AR token; the cache is cropped back to the committed length
     kept = commit(state, [*drafts[:n_accepted], bonus_token], cfg, logits[: n_accepted + 1])
     # 4. the next block's drafts: group n_accepted's mask rows (or a test's drafter), cut to what is left
@@ -554,9 +544,10 @@ def fused_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: 
     k_next = min(k, cfg.max_new_tokens - len(state.generated))
     if state.finished is None and k_next > 1:
         if drafter is not None:
-            state.drafts, state.draft_q = drafter(model, state, k_next, cfg.sampling, generator)
+            state.drafts, state.draft_q = drafter(model, state, k_next, cfg.sampling, draws)
         elif n_accepted < n_groups:
-            state.drafts, state.draft_q = propose(groups[n_accepted, : k_next - 1], cfg.sampling, generator)
+            state.drafts, state.draft_q = propose(groups[n_accepted, : k_next - 1], cfg.sampling, draws,
+                                                  len(state.generated))
     return kept
 
 
@@ -593,12 +584,12 @@ def decode(model: DecodingModel, prompt_ids: list[int], mode: str = "orthrus", c
 def _decode(model: DecodingModel, prompt_ids: list[int], mode: str, cfg: DecodeConfig, k: int,
             on_tokens: Callable[[list[int]], None] | None, drafter: Drafter,
             stop: Callable[[DecodeState], bool] | None) -> DecodeState:
-    generator = cfg.sampling.generator(model.device)
+    draws = cfg.sampling.draws()
     start = time.perf_counter()
-    state = prefill(model, prompt_ids, cfg, generator)
+    state = prefill(model, prompt_ids, cfg, draws)
     if mode == "orthrus" and cfg.cycle == "fused" and drafter is not model_drafter and state.finished is None:
         # a given drafter drafts the first block too (the model's own drafts come from the first fused forward)
-        state.drafts, state.draft_q = drafter(model, state, min(k, cfg.max_new_tokens - 1), cfg.sampling, generator)
+        state.drafts, state.draft_q = drafter(model, state, min(k, cfg.max_new_tokens - 1), cfg.sampling, draws)
     if on_tokens:
         on_tokens(state.generated)
     if cfg.stop_after is not None:
@@ -609,15 +600,15 @@ def _decode(model: DecodingModel, prompt_ids: list[int], mode: str, cfg: DecodeC
         if mode == "orthrus" and gives_way(state, cfg):
             mode, state.stats.ar_from = "ar", len(state.generated)
         if mode == "ar":
-            new = ar_cycle(model, state, cfg, generator)
+            new = ar_cycle(model, state, cfg, draws)
         elif cfg.cycle == "fused":
-            new = fused_cycle(model, state, cfg, k, generator, None if drafter is model_drafter else drafter)
+            new = fused_cycle(model, state, cfg, k, draws, None if drafter is model_drafter else drafter)
         elif cfg.lookup:
-            new = lookup_cycle(model, state, cfg, k, generator)
+            new = lookup_cycle(model, state, cfg, k, draws)
         elif cfg.tree:
-            new = tree_cycle(model, state, cfg, k, generator)
+            new = tree_cycle(model, state, cfg, k, draws)
         else:
-            new = orthrus_cycle(model, state, cfg, k, generator, drafter)
+            new = orthrus_cycle(model, state, cfg, k, draws, drafter)
         state.stats.steps += 1
         if on_tokens:
             on_tokens(new)

@@ -436,6 +436,30 @@ class OrthrusLM(nn.Module):
         return self.backbone.lm_head(hidden)
 
     # ------------------------------------------------------------------------------------------ generate
+    def resolve_cycle(self, mode: str, cycle: str, greedy: bool, tree: int | None, lookup: int | None,
+                      k: int | None, context: int):
+        """(mode, tree, lookup, choice) that `generate` runs for these settings after a prompt of `context` tokens:
+        left at None, from this CPU's measured costs (`choice_for`, with a trained head) or the fixed defaults."""
+        choice = None
+        if (mode == "orthrus" and cycle == "two-pass" and tree is None and lookup is None and k is None
+                and self.head_digest != headfile.UNTRAINED):  # from this CPU's measured costs (`cycles`)
+            choice = self.choice_for(greedy, context=context)
+            mode, tree, lookup = choice.mode, choice.tree, choice.lookup
+        tree, lookup = auto_cycle(mode, cycle, greedy, self.head_digest != headfile.UNTRAINED, tree, lookup)
+        return mode, tree, lookup, choice
+
+    def draws_ar_tokens(self, settings: dict, context: int) -> bool:
+        """Whether `generate` with these settings commits the tokens `--mode ar` commits for them on exact kernels:
+        greedy; or sampled, in AR or a two-pass tree (with or without lookup beside it), where every committed token
+        is the one AR's draw at its position chooses. A sampled chain or fused cycle draws its drafts from q and
+        accepts them by rejection sampling: a draw from the same distribution, not the same draw."""
+        if settings.get("temperature", 0.0) == 0:
+            return True
+        cycle = settings.get("cycle", "two-pass")
+        mode, tree, _, _ = self.resolve_cycle(settings.get("mode", "orthrus"), cycle, False, settings.get("tree"),
+                                              settings.get("lookup"), settings.get("k"), context)
+        return mode == "ar" or (cycle == "two-pass" and tree > 0)
+
     def generate(self, prompt: str | list[int], mode: str = "orthrus", *, max_new_tokens: int = 128,
                  k: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  chat_template: bool = True, cycle: str = "two-pass", groups: int | None = None,
@@ -462,12 +486,7 @@ class OrthrusLM(nn.Module):
         prompt_ids = list(prompt) if isinstance(prompt, (list, tuple)) else encode_prompt(self.tokenizer, prompt,
                                                                                           chat_template)
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        choice = None
-        if (mode == "orthrus" and cycle == "two-pass" and tree is None and lookup is None and k is None
-                and self.head_digest != headfile.UNTRAINED):  # from this CPU's measured costs (`cycles`)
-            choice = self.choice_for(sampling.greedy, context=len(prompt_ids))
-            mode, tree, lookup = choice.mode, choice.tree, choice.lookup
-        tree, lookup = auto_cycle(mode, cycle, sampling.greedy, self.head_digest != headfile.UNTRAINED, tree, lookup)
+        mode, tree, lookup, choice = self.resolve_cycle(mode, cycle, sampling.greedy, tree, lookup, k, len(prompt_ids))
         cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=k, cycle=cycle, groups=groups, tree=tree, lookup=lookup,
                            sampling=sampling, ar_below=choice.ar_below if choice is not None else 0.0)
         stream = StreamDecoder(self.tokenizer) if (on_text and self.tokenizer is not None) else None

@@ -3,10 +3,17 @@
 `SamplingConfig.probs` turns logits into the distribution actually sampled from (temperature, then
 top-k, then top-p). Orthrus applies the same processing to the draft distribution q and the verify
 distribution p, so rejection sampling is exact for the processed target.
+
+A sampled decode's uniform draws are keyed by position (`Draws`): the draw that chooses generated token i is a
+function of the seed and i alone. So a token verified in a block, a tree or a batch is chosen by the same draw
+from the same p as an AR step would choose it: where the drafts are candidates chosen without a draw (a tree's,
+looked-up copies), a candidate is kept exactly when it is the token AR's draw gives, and on exact kernels the
+decode gives `--mode ar`'s tokens for the same seed, token for token.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -44,10 +51,8 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        g = torch.Generator(device=device)
-        g.manual_seed(int(self.seed))
-        return g
+    def draws(self) -> "Draws":
+        return Draws(self.seed)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Processed sampling distribution, float32: logits [..., V] -> probs [..., V]."""
@@ -65,16 +70,35 @@ class SamplingConfig:
         return torch.softmax(scores, dim=-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token id drawn from probs [V] (non-negative; their sum need not be 1): where one uniform draw falls in
-    their cumulative sums, taken in float64, so every token's chance is its share of the sum to within float64's
-    rounding, and a token of probability 0 is never drawn. torch.multinomial drew one token of a 49k vocabulary in
-    0.85 ms on 2 cores, this in 0.05 ms, which a sampled step pays once and a sampled cycle once per draft."""
+# what a decode's draw at a position is for: the token there (AR's own draw, which every verification of
+# candidates chosen without a draw uses too), a draft drawn from the draft distribution q, rejection sampling's test
+# of that draft, and its draw from the residual
+TOKEN, DRAFT, TEST, RESIDUAL = range(4)
+
+
+class Draws:
+    """The uniform draws of one sampled decode, keyed by position: `at(i, what)` is a function of the seed, the
+    generated token's index i and what the draw is for, alone (BLAKE2b of the three, 53 bits: a float64 in [0, 1)).
+    Whichever forward verifies token i and whatever ran before it, the draw is the same."""
+
+    def __init__(self, seed: int):
+        self.prefix = f"{int(seed)}/".encode()
+
+    def at(self, i: int, what: int = TOKEN) -> float:
+        digest = hashlib.blake2b(self.prefix + f"{int(i)}/{what}".encode(), digest_size=8).digest()
+        return (int.from_bytes(digest, "little") >> 11) * 2.0 ** -53
+
+
+def sample(probs: torch.Tensor, u: float) -> int:
+    """The token id that the uniform draw u in [0, 1) chooses from probs [V] (non-negative; their sum need not be
+    1): where u times their sum falls in their cumulative sums, taken in float64, so over u every token's chance is
+    its share of the sum to within float64's rounding, and a token of probability 0 is never chosen.
+    torch.multinomial drew one token of a 49k vocabulary in 0.85 ms on 2 cores, this in 0.05 ms."""
     cdf = probs.double().cumsum(0)
     total = float(cdf[-1])
     if not 0 < total < float("inf") or bool((probs < 0).any()):  # NaN too: as torch.multinomial refuses them
         raise RuntimeError("cannot sample: the probabilities hold a NaN, an inf or a negative value, or sum to 0")
-    at = torch.rand((), dtype=torch.float64, generator=generator, device=probs.device) * total
+    at = torch.tensor(float(u) * total, dtype=torch.float64, device=probs.device)
     token = int(torch.searchsorted(cdf, at, right=True))
     if token >= cdf.shape[0]:  # the draw rounded up to the whole sum: the last token that has a chance
         token = int(torch.nonzero(probs)[-1, 0])

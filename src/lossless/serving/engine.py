@@ -8,11 +8,13 @@ cancelled by its request (a client that went away) or by shutdown, between two c
 With `batch` 1 jobs decode one at a time, each in the configuration it asked for (`OrthrusLM.generate`). With
 `batch` > 1 (exact kernels) up to that many decode together, one forward per step (`decoding.batch`): a job joins
 at the next step after it arrives (its prompt running in chunks of `prefill_chunk` rows beside the others' steps)
-and leaves at the step it ends, and its tokens are bitwise the ones it gets alone. A batch runs AR steps, greedy
-ones with prompt lookup (the draft view's passes decode one sequence at a time): greedy tokens are the same as any
-lossless configuration's on exact kernels; sampled ones are `--mode ar`'s with the same seed. A greedy job that
-finds nothing else decoding or waiting decodes alone in the configuration it asked for (the fastest lossless one by
-default: with one client a batch's AR steps would be slower than speculation) until another job arrives; then it
+and leaves at the step it ends, and its tokens are bitwise the ones it gets alone. A batch runs AR steps with
+prompt lookup (the draft view's passes decode one sequence at a time): greedy tokens are the same as any lossless
+configuration's on exact kernels; sampled ones are `--mode ar`'s with the same seed (a copy is kept where AR's
+draw at its position chooses it), and so those of a sampled tree's. A job that finds nothing else decoding or
+waiting decodes alone in the configuration it asked for (the fastest lossless one by default: with one client a
+batch's AR steps would be slower than speculation), where that configuration commits AR's tokens (greedy, or sampled
+in a tree: `OrthrusLM.draws_ar_tokens`), until another job arrives; then it
 goes on in the batch after the tokens it has, its cache moved into the batch's (its prompt and tokens are not run
 again). Its tokens are the same either way. It does not know HTTP; `app.py`
 turns jobs into responses.
@@ -250,9 +252,9 @@ class Engine:
                 if job is False:
                     break
                 entry = _Live(job, self.model.tokenizer)
-                if not live and not self._someone_waits() and job.settings.get("temperature", 0.0) == 0:
-                    # alone: a greedy job decodes in its own fastest cycle until another job arrives, then goes on
-                    # in the batch after the tokens it has (the same tokens either way, on exact kernels)
+                if not live and not self._someone_waits() and self._begins_alone(job):
+                    # alone: a job decodes in its own fastest cycle until another job arrives, then goes on in the
+                    # batch after the tokens it has (the same tokens either way, on exact kernels)
                     try:
                         entry.alone = self._alone(entry)
                     except Exception as exc:
@@ -294,6 +296,14 @@ class Engine:
                 except Exception as exc:
                     result = _failed(exc)
                 self._done(entry.job, result)
+
+    def _begins_alone(self, job: Job) -> bool:
+        """Whether a job alone decodes in its own cycle: where that cycle commits `--mode ar`'s tokens (greedy, or
+        sampled in AR or a tree: `draws_ar_tokens`), so the batch may take it over after any of them."""
+        try:
+            return self.model.draws_ar_tokens(job.settings, len(job.prompt_ids))
+        except LosslessError:  # a setting its decode refuses: the batch's `add` says so, for this job alone
+            return False
 
     def _alone(self, entry: "_Live", handing_over: bool = True):
         """A job's decode in the configuration it asked for, stopped after a cycle in which its stop string appeared
@@ -407,15 +417,15 @@ class _Live:
 
 
 def batch_config(settings: dict):
-    """A job's `generate` settings as a batch runs them: AR steps, greedy ones with prompt lookup (the request's,
-    else DEFAULT_LOOKUP) unless the job asked for AR; trees, the fused cycle and the draft view are not run."""
+    """A job's `generate` settings as a batch runs them: AR steps with prompt lookup (the request's, else
+    DEFAULT_LOOKUP) unless the job asked for AR; trees, the fused cycle and the draft view are not run."""
     from ..decoding.loop import DecodeConfig
     from ..decoding.sampling import SamplingConfig
 
     sampling = SamplingConfig(temperature=settings.get("temperature", 0.0), top_k=settings.get("top_k", 0),
                               top_p=settings.get("top_p", 1.0), seed=settings.get("seed", 0))
     lookup = settings.get("lookup")
-    if settings.get("mode", "orthrus") == "ar" or not sampling.greedy:
+    if settings.get("mode", "orthrus") == "ar":
         lookup = 0
     elif lookup is None:
         lookup = DEFAULT_LOOKUP

@@ -117,7 +117,7 @@ def run_orthrus_tree_lookup(model, ids, cfg, reference):
 
 def oracle_drafter(reference: list[int]):
     """A drafter proposing the reference's own next tokens: all drafts right while the trajectories agree."""
-    def drafter(model, state, k, sampling, generator):
+    def drafter(model, state, k, sampling, draws):
         n = len(state.generated)
         return list(reference[n: n + k - 1]), None
     return drafter
