@@ -113,11 +113,19 @@ def test_stop_strings_and_a_client_that_leaves_in_a_batch(batched, model_dir):  
     assert again.message.content == full.message.content
 
 
-def test_a_greedy_request_decoding_alone_joins_the_batch_when_another_comes(batched, model_dir, capsys):  # noqa: F811
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled tree"])
+def test_a_request_decoding_alone_joins_the_batch_when_another_comes(batched, model_dir, capsys, sampled):  # noqa: F811
+    """A request alone decodes in its own cycle (greedy: the default; sampled: a tree of 4, whose tokens are AR's
+    draws), goes on in the batch when another comes, and its text is what it gets alone (sampled: `lossless generate
+    --mode ar`'s with the same seed)."""
     n = 1500
-    want = _generate(capsys, model_dir, "--max-new-tokens", str(n), "--no-chat-template", PROMPT)
+    draws = ("--mode", "ar", "--temperature", "0.05", "--seed", "4") if sampled else ()
+    want = _generate(capsys, model_dir, "--max-new-tokens", str(n), "--no-chat-template", *draws, PROMPT)
     _idle(batched)
-    resp, first = _stream(batched, {"prompt": PROMPT, "max_tokens": n})  # alone: the default speculative cycle
+    body = {"prompt": PROMPT, "max_tokens": n}
+    if sampled:
+        body.update(temperature=0.05, seed=4, lossless={"tree": 4})
+    resp, first = _stream(batched, body)  # alone
     other = batched.client().completions.create(model=str(model_dir), prompt=PROMPTS[1], max_tokens=8)
     assert other.model_extra["lossless"]["batched"] is True
     events = _events(resp, first)
@@ -125,27 +133,7 @@ def test_a_greedy_request_decoding_alone_joins_the_batch_when_another_comes(batc
     ran = [e["lossless"] for e in events if e.get("lossless")][-1]
     assert text == want["text"] and ran["finish"] == "length"
     assert ran["batched"] is True and ran["alone_first"]["mode"] == "orthrus"
-    assert 0 < ran["alone_first"]["tokens"] < n
-
-
-def test_a_sampled_request_decoding_alone_in_a_tree_joins_the_batch_with_ar_samplings_tokens(batched, model_dir,  # noqa: F811
-                                                                                                 capsys):
-    """Sampled with a tree, a request alone decodes in its tree, goes on in the batch when another comes, and its
-    text is `lossless generate --mode ar`'s with the same seed (every token its position's draw)."""
-    n = 1500
-    want = _generate(capsys, model_dir, "--max-new-tokens", str(n), "--no-chat-template", "--mode", "ar",
-                     "--temperature", "0.05", "--seed", "4", PROMPT)
-    _idle(batched)
-    resp, first = _stream(batched, {"prompt": PROMPT, "max_tokens": n, "temperature": 0.05, "seed": 4,
-                                    "lossless": {"tree": 4}})
-    other = batched.client().completions.create(model=str(model_dir), prompt=PROMPTS[1], max_tokens=8)
-    assert other.model_extra["lossless"]["batched"] is True
-    events = _events(resp, first)
-    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
-    ran = [e["lossless"] for e in events if e.get("lossless")][-1]
-    assert text == want["text"] and ran["finish"] == "length"
-    assert ran["batched"] is True and ran["alone_first"]["mode"] == "orthrus" and ran["alone_first"]["tree"] == 4
-    assert 0 < ran["alone_first"]["tokens"] < n
+    assert 0 < ran["alone_first"]["tokens"] < n and (not sampled or ran["alone_first"]["tree"] == 4)
 
 
 def test_batch_needs_exact_kernels_and_a_prefill_chunk_of_a_row_or_more(model_dir, capsys):  # noqa: F811
