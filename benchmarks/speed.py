@@ -19,7 +19,8 @@ The protocol (so that a ratio means something on a noisy machine):
 - the same paired ratio to `ar` on the same kernels (`vs_ar`) and to `llama_cpp` (`vs_llama_cpp`) where they ran;
   the JSON keeps each method's per-prompt tokens/s, so any other ratio can be computed after;
 - `--temperature T` samples instead (our methods only: AR, the chain, tree, lookup and fused cycles, and
-  `default`, which is then what a sampled `lossless generate` runs); every run of a prompt draws with one seed.
+  `default`, which is then what a sampled `lossless generate` runs); every run of a prompt draws with one seed, so
+  on exact kernels a sampled tree's tokens equal sampled `ar`'s ('= ar'), and a chain's (rejection sampling) may not.
 Tokens per step = tokens committed per decode cycle after the prefill (1.0 for plain AR); tokens per forward
 counts every model forward, prefill included. The last stdout line is one JSON object.
 
@@ -281,7 +282,7 @@ def main(argv=None) -> int:
                 ratio = paired(tps[name], tps[other])
                 summary[name][key], summary[name][f"{key}_ci95"] = ratio["mean"], ratio["ci95"]
         summary[name]["per_prompt_tokens_per_second"] = [round(x, 2) for x in tps[name]]
-        if ar_name in first and kind not in HF_METHODS and SAMPLING.greedy:  # (sampled tokens differ by method)
+        if ar_name in first and kind not in HF_METHODS:  # (sampled: a tree's are AR's draws, a chain's other draws)
             summary[name]["prompts_equal_to_ar"] = sum(r["tokens"] == a["tokens"] for r, a in zip(rs, first[ar_name]))
         if hist[name]:
             summary[name]["acceptance_histogram"] = {str(a): hist[name][a] for a in sorted(hist[name])}
