@@ -721,8 +721,8 @@ def _serve_parser(sub) -> None:
                          "limit_concurrency; idle keep-alive connections close after 5 s)")
     sv.add_argument("--batch", type=_number(int, "--batch", at_least=1), default=None,
                     help=f"decode up to this many requests together, one forward per step (exact kernels; each "
-                         f"request's tokens are the ones it gets alone; AR steps, with prompt lookup when greedy; a "
-                         f"greedy request alone decodes in its own cycle); 1 = one at a time, each in the "
+                         f"request's tokens are AR's, sampled ones its seed's; AR steps with prompt lookup; a request "
+                         f"alone decodes in its own cycle where that gives AR's tokens); 1 = one at a time, each in the "
                          f"configuration it asks for (default: {DEFAULT_BATCH} with exact kernels, else 1)")
     sv.add_argument("--prefill-chunk", type=_number(int, "--prefill-chunk", at_least=1), default=None, metavar="ROWS",
                     help=f"with --batch > 1: the most prompt rows one step runs beside the decoding requests, so a "
@@ -736,7 +736,7 @@ def _serve_parser(sub) -> None:
                          f"one's the {DEFAULT_TREE}-node tree; else {DEFAULT_TREE} with a trained head)")
     sv.add_argument("--lookup", type=_number(int, "--lookup", at_least=0), default=None, metavar="TOKENS",
                     help=f"default prompt lookup of a request (default: chosen with --tree; else "
-                         f"{DEFAULT_LOOKUP} when greedy, 0 when sampled)")
+                         f"{DEFAULT_LOOKUP} when greedy or batched, 0 when sampled alone)")
     sv.add_argument("--temperature", type=_number(float, "--temperature", at_least=0, at_most=2), default=0.0,
                     help="default temperature (0 = greedy, as `lossless generate`; the OpenAI API's default is 1)")
     sv.add_argument("--top-k", type=_number(int, "--top-k", at_least=0), default=0, help="default top-k (0 = none)")

@@ -211,20 +211,23 @@ def test_a_greedy_decode_begun_alone_goes_on_in_a_batch_with_the_same_tokens(cut
     assert seq.state.stats.forwards > forwards and seq.state.stats.new_tokens == 20  # counting on
 
 
-@pytest.mark.parametrize("cut", [1, 6])
-def test_a_sampled_decode_begun_alone_in_a_tree_goes_on_in_a_batch_with_ar_sampling_tokens(cut):
+@pytest.mark.parametrize("hand_cache", [False, True])
+@pytest.mark.parametrize("cut", [3, 6])
+def test_a_sampled_decode_begun_alone_in_a_tree_goes_on_in_a_batch_with_ar_sampling_tokens(cut, hand_cache):
     """Sampled, a request's first tokens decoded alone with a candidate tree and the rest in a batch (with prompt
     lookup) beside another: each token is the one AR's draw at its position chooses, so the whole is `--mode
-    ar`'s with the same seed, whenever the batch took it over."""
+    ar`'s with the same seed, whenever the batch took it over (its cache handed over or not)."""
     model = exact_model("llama", torch.bfloat16)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5]
     cfg = DecodeConfig(max_new_tokens=24, eos_ids=NO_EOS, lookup=4, sampling=SamplingConfig(temperature=0.8, seed=5))
     ref = alone(model, prompt, cfg)
     begun = decode(model, prompt, "orthrus", dataclasses.replace(cfg, tree=6, lookup=0, stop_after=cut))
     assert begun.generated == ref.generated[: len(begun.generated)] and len(begun.generated) >= cut
+    assert begun.stats.steps >= 1  # (tree cycles ran)
     dec = BatchDecoder(model, prefill_chunk=5)
     other = dec.add([7, 7, 2], DecodeConfig(max_new_tokens=20, eos_ids=NO_EOS))
-    seq = dec.add(prompt, dataclasses.replace(cfg, record_margins=True), generated=begun.generated, stats=begun.stats)
+    seq = dec.add(prompt, dataclasses.replace(cfg, record_margins=True), generated=begun.generated, stats=begun.stats,
+                  cache=begun.cache if hand_cache else None)
     while seq.finished is None or other.finished is None:
         dec.step()
     assert seq.state.generated == ref.generated and seq.state.margins == ref.margins[len(begun.generated):]

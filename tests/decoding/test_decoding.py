@@ -31,7 +31,7 @@ def oracle_drafter(reference: list[int], wrong: bool = False, vocab: int | None 
     """A drafter that proposes the AR reference trajectory's next k-1 tokens (or, with `wrong`, each of
     them shifted by one, so the very first draft is always rejected)."""
 
-    def drafter(model, state, k, sampling, generator):
+    def drafter(model, state, k, sampling, draws):
         assert sampling.greedy
         g = len(state.generated)
         drafts = list(reference[g:g + k - 1])
@@ -265,10 +265,10 @@ def test_cache_holds_every_committed_token_but_the_last_and_draft_never_writes_i
     perturb_head(model, 0.5)  # drafts are sometimes rejected, so the cache must be cropped
     checks = []
 
-    def checking_drafter(m, state, k, sampling, generator):
+    def checking_drafter(m, state, k, sampling, draws):
         assert state.cache.get_seq_length() == len(state.tokens) - 1
         before = _cache_tensors(state.cache)
-        out = model_drafter(m, state, k, sampling, generator)
+        out = model_drafter(m, state, k, sampling, draws)
         after = _cache_tensors(state.cache)
         assert state.cache.get_seq_length() == len(state.tokens) - 1
         assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
@@ -431,27 +431,38 @@ def test_a_sampled_tree_two_levels_deep_matches_ar_sampling_in_distribution():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_sampled_trees_and_copies_commit_ar_samplings_tokens_for_the_same_seed(family):
+def test_sampled_trees_and_copies_commit_ar_samplings_tokens_for_the_same_seed(family, monkeypatch):
     """On exact kernels a sampled decode whose candidates are chosen without a draw (a tree, with or without
     looked-up copies beside it; two levels deep too) commits `--mode ar`'s tokens for the same seed, token for
-    token, while taking candidates; a sampled chain, whose drafts are drawn from q and accepted by rejection
-    sampling, gives other tokens for some seeds (a draw from the same distribution, not the same draw)."""
+    token, while taking candidates (every cycle kind; copies verified alone too); a sampled chain, whose drafts
+    are drawn from q and accepted by rejection sampling, gives other tokens for some seeds (a draw from the same
+    distribution, not the same draw)."""
     from test_exact import exact_tiny
 
     model = exact_tiny(family, torch.bfloat16)
-    prompt = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9]
-    taken, chain_differs = 0, False
+    base = [5, 9, 2, 7]  # and what greedy decoding continues it with, then it again: a context worth copying from
+    prompt = base + decode(model, base, "ar", DecodeConfig(max_new_tokens=8, eos_ids=NO_EOS)).generated + base
+    copies_tried = []  # copies verified alone (a long context match), kept or not: AR's draw decides
+    real = decoding.accept_sampling
+
+    def counting(drafts, q, *rest):
+        copies_tried.append(len(drafts) if q is None else 0)
+        return real(drafts, q, *rest)
+    monkeypatch.setattr(decoding, "accept_sampling", counting)
+    cycles = (dict(tree=4), dict(tree=8, lookup=6), dict(tree=6, k=3))
+    taken, chain_differs = dict.fromkeys(range(len(cycles)), 0), False
     for seed in range(8):
-        sampling = SamplingConfig(temperature=0.9, top_k=[0, 20][seed % 2], top_p=[1.0, 0.95][seed % 2 == 0], seed=seed)
+        sampling = SamplingConfig(temperature=[0.9, 0.3][seed % 2], top_k=[0, 20][seed % 2],
+                                  top_p=[1.0, 0.95][seed % 2 == 0], seed=seed)
         cfg = DecodeConfig(max_new_tokens=20, eos_ids=NO_EOS, sampling=sampling)
         ar = decode(model, prompt, "ar", cfg)
-        for cycle in (dict(tree=4), dict(tree=8, lookup=6), dict(tree=6, k=3)):
+        for i, cycle in enumerate(cycles):
             out = decode(model, prompt, "orthrus", dataclasses.replace(cfg, **cycle))
             assert out.generated == ar.generated, (seed, cycle)
-            taken += sum(out.stats.accepted)
+            taken[i] += sum(out.stats.accepted)
         chain = decode(model, prompt, "orthrus", dataclasses.replace(cfg, k=4))
         chain_differs = chain_differs or chain.generated != ar.generated
-    assert taken > 0 and chain_differs
+    assert all(taken.values()) and sum(copies_tried) > 0 and chain_differs
 
 
 def test_a_decodes_draws_are_keyed_by_position_and_uniform():
@@ -537,3 +548,26 @@ def test_sampling_is_reproducible_for_a_seed_and_varies_across_seeds(spread_mode
     for mode in ("ar", "orthrus"):
         assert run(5, mode) == run(5, mode)
         assert len({tuple(run(s, mode)) for s in range(5)}) > 1
+
+
+def test_which_settings_commit_ar_samplings_tokens(monkeypatch):
+    """`draws_ar_tokens` (whether a server may begin a request alone and hand it to a batch): greedy, AR and a
+    two-pass tree (asked for, or a trained head's sampled default, the tree or AR) commit AR's draws; a sampled
+    chain (an untrained head's default, a block size set, tree 0 with lookup) or the fused cycle does not."""
+    from lossless.decoding import cycles
+
+    model = tiny_orthrus("llama", k=8)
+
+    def sampled(**kw):
+        return {"temperature": 0.7, **kw}
+
+    assert model.draws_ar_tokens({"temperature": 0.0}, 10) and model.draws_ar_tokens(sampled(mode="ar"), 10)
+    assert model.draws_ar_tokens(sampled(tree=4), 10) and model.draws_ar_tokens(sampled(tree=4, lookup=8), 10)
+    for chain in (sampled(), sampled(tree=0, lookup=8), sampled(cycle="fused"), sampled(cycle="fused", tree=4)):
+        assert not model.draws_ar_tokens(chain, 10), chain
+    monkeypatch.setattr(model, "head_digest", "a trained head")
+    for mode, tree in (("orthrus", 8), ("ar", 0)):  # the sampled default this CPU's costs choose
+        choice = cycles.Choice(mode, tree, 0, "chosen", {})
+        monkeypatch.setattr(model, "choice_for", lambda greedy, context=None, choice=choice: choice)
+        assert model.draws_ar_tokens(sampled(), 10)
+    assert not model.draws_ar_tokens(sampled(k=4), 10)  # a block size set: no choice, the chain

@@ -133,8 +133,8 @@ def test_cache_holds_every_committed_token_but_the_last_after_every_cycle(pertur
     lengths = []
     real = decoding.fused_cycle
 
-    def checking_cycle(m, state, cfg, k, generator, drafter=None):
-        kept = real(m, state, cfg, k, generator, drafter)
+    def checking_cycle(m, state, cfg, k, draws, drafter=None):
+        kept = real(m, state, cfg, k, draws, drafter)
         lengths.append((state.cache.get_seq_length(), len(state.tokens) - 1))
         return kept
 

@@ -389,8 +389,9 @@ def accept_sampling(drafts: list[int], q: torch.Tensor | None, logits: torch.Ten
             if token == x:
                 continue
             return j, token
-        qx = float(q[j, x])  # (a draft drawn from q has qx > 0; a given drafter's q may say 0: kept, as p / 0)
-        if draws.at(first + j, TEST) < (1.0 if qx <= 0 else min(1.0, float(p[x]) / qx)):
+        px, qx = float(p[x]), float(q[j, x])  # (a draft drawn from q has qx > 0; a given drafter's q may say 0:
+        ratio = min(1.0, px / qx) if qx > 0 else (1.0 if px > 0 else 0.0)  # kept if p has it, never if p has not)
+        if draws.at(first + j, TEST) < ratio:
             continue
         residual = (p - q[j]).clamp(min=0)
         if float(residual.sum()) <= 0:  # p == q numerically: any draw from p is exact

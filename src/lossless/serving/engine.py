@@ -8,7 +8,7 @@ cancelled by its request (a client that went away) or by shutdown, between two c
 With `batch` 1 jobs decode one at a time, each in the configuration it asked for (`OrthrusLM.generate`). With
 `batch` > 1 (exact kernels) up to that many decode together, one forward per step (`decoding.batch`): a job joins
 at the next step after it arrives (its prompt running in chunks of `prefill_chunk` rows beside the others' steps)
-and leaves at the step it ends, and its tokens are bitwise the ones it gets alone. A batch runs AR steps with
+and leaves at the step it ends, and its tokens are bitwise AR's alone (sampled: its seed's). A batch runs AR steps with
 prompt lookup (the draft view's passes decode one sequence at a time): greedy tokens are the same as any lossless
 configuration's on exact kernels; sampled ones are `--mode ar`'s with the same seed (a copy is kept where AR's
 draw at its position chooses it), and so those of a sampled tree's. A job that finds nothing else decoding or
@@ -302,7 +302,10 @@ class Engine:
         sampled in AR or a tree: `draws_ar_tokens`), so the batch may take it over after any of them."""
         try:
             return self.model.draws_ar_tokens(job.settings, len(job.prompt_ids))
-        except LosslessError:  # a setting its decode refuses: the batch's `add` says so, for this job alone
+        except Exception as exc:  # noqa: BLE001 - a setting its decode refuses, or costs that could not be measured:
+            # the job decodes in the batch (whose `add` refuses a bad setting for this job alone); the engine goes on
+            if not isinstance(exc, LosslessError):
+                log.warning("could not tell a request's own cycle (%s); it decodes in the batch", exc)
             return False
 
     def _alone(self, entry: "_Live", handing_over: bool = True):
