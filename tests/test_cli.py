@@ -222,6 +222,7 @@ def test_generate_json_prints_a_parseable_last_line_that_matches_the_library(dir
     assert out["orthrus"]["config"] == {"dtype": "bf16" if native_bf16 else "fp32", "attn": "exact", "exact": True,
                                         "mode": "orthrus", "cycle": "two-pass", "k": 8, "tree": 0, "lookup": 16,
                                         "choice": None,  # an untrained head: its chain, chosen by no costs
+                                        "versus_ar": "tokens",
                                         "kernels": f"{kernels.source_digest()}/{kernels.isa()}"}
     assert out["ar"]["config"]["mode"] == "ar" and out["ar"]["config"]["lookup"] == 0
 
@@ -241,16 +242,21 @@ def test_generate_streams_the_same_text_without_json(dirs, capsys):
     assert captured.out == expected["text"]
     summary = captured.err.strip().splitlines()[-1]
     assert summary.startswith(f"[orthrus k=8 chain + lookup 16, {expected['config']['dtype']} exact (kernels "
-                              f"{kernels.build_name()}) |")
+                              f"{kernels.build_name()}), AR's tokens |")
     assert f"{len(expected['token_ids'])} tokens" in summary
 
 
 @pytest.mark.parametrize("args, want", [
-    (["--attn", "sdpa", "--dtype", "fp32"], {"dtype": "fp32", "attn": "sdpa", "exact": False, "tree": 0, "lookup": 16}),
-    (["--temperature", "0.8"], {"attn": "exact", "tree": 0, "lookup": 0}),  # sampling: no tree, no lookup
-    (["--tree", "--lookup", "0"], {"tree": 8, "lookup": 0}),
+    (["--attn", "sdpa", "--dtype", "fp32"], {"dtype": "fp32", "attn": "sdpa", "exact": False, "tree": 0, "lookup": 16,
+                                             "versus_ar": "not guaranteed"}),
+    (["--attn", "sdpa", "--mode", "ar"], {"attn": "sdpa", "mode": "ar", "versus_ar": "tokens"}),  # AR is AR
+    # sampling: no tree, no lookup (an untrained head's chain: rejection sampling, AR's distribution)
+    (["--temperature", "0.8"], {"attn": "exact", "tree": 0, "lookup": 0, "versus_ar": "distribution"}),
+    (["--temperature", "0.8", "--tree", "4"], {"tree": 4, "versus_ar": "tokens"}),  # a sampled tree: AR's draws
+    (["--tree", "--lookup", "0"], {"tree": 8, "lookup": 0, "versus_ar": "tokens"}),
     (["--tree", "0", "--lookup", "4"], {"tree": 0, "lookup": 4}),
-    (["--cycle", "fused"], {"cycle": "fused", "k": 3, "tree": 0, "lookup": 16}),
+    (["--cycle", "fused"], {"cycle": "fused", "k": 3, "tree": 0, "lookup": 16, "versus_ar": "tokens"}),
+    (["--cycle", "fused", "--temperature", "0.8"], {"cycle": "fused", "versus_ar": "distribution"}),
 ])
 def test_generate_says_which_configuration_ran(dirs, capsys, args, want):
     config = _generate_json(capsys, "--model", dirs["model"], "--max-new-tokens", "6", *args, PROMPT)["config"]

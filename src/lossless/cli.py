@@ -129,7 +129,8 @@ def cmd_generate(args) -> int:
 
 
 def _config_label(config: dict) -> str:
-    """What ran, in a few words: "orthrus tree 8 + lookup 16, bf16 exact (kernels dd02839c.../avx512bf16)"."""
+    """What ran, in a few words: "orthrus tree 8 + lookup 16, bf16 exact (kernels dd02839c.../avx512bf16), AR's
+    tokens"."""
     what = config["mode"]
     if what == "orthrus":
         parts = [f"tree {config['tree']}" if config["tree"] else (f"k={config['k']} chain" if config["cycle"] == "two-pass"
@@ -138,7 +139,9 @@ def _config_label(config: dict) -> str:
             parts.append(f"lookup {config['lookup']}")
         what += " " + " + ".join(parts)
     kernels = f" (kernels {config['kernels']})" if config.get("kernels") else ""
-    return f"{what}, {config['dtype']} {config['attn']}{kernels}"
+    versus = {"tokens": ", AR's tokens", "distribution": ", AR's distribution, not its tokens",
+              "not guaranteed": ", AR's tokens not guaranteed"}.get(config.get("versus_ar"), "")
+    return f"{what}, {config['dtype']} {config['attn']}{kernels}{versus}"
 
 
 def _distill_inputs(args, allow_empty: bool = False) -> tuple[str, list[dict]]:

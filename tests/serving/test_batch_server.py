@@ -61,7 +61,7 @@ def test_concurrent_requests_decode_together_and_each_gets_its_answer_alone(batc
     for (i, kind, stream), text in got.items():
         assert text == want[(i, kind)], (i, kind, stream)
         info = ran[(i, kind, stream)]
-        assert info["exact"] is True
+        assert info["exact"] is True and info["versus_ar"] == "tokens"  # (batched, or greedy alone)
         if info.get("batched"):  # in the batch: AR steps, with prompt lookup
             assert info["mode"] == "ar" and info["tree"] == 0 and info["lookup"] == DEFAULT_LOOKUP
         else:  # a greedy request that found the server idle decodes alone, in the default cycle (a sampled one's,

@@ -279,6 +279,19 @@ def block_size(head_k: int, cfg: DecodeConfig) -> int:
     return min(FUSED_K, head_k) if cfg.cycle == "fused" else head_k
 
 
+def versus_ar(mode: str, cycle: str, tree: int, greedy: bool, exact: bool) -> str:
+    """What a decode holds against AR's, for a caller to say: "tokens" (AR's tokens, bit for bit: AR itself, or
+    on exact kernels a greedy decode, or a sampled one in a two-pass tree, whose tokens are AR's draws),
+    "distribution" (on exact kernels, a sampled chain or fused cycle: a draw from AR's distributions, by rejection
+    sampling, not AR's draw) or "not guaranteed" (stock kernels: a verify block may round otherwise than AR's steps,
+    and a near-tie go the other way; the study measures how often)."""
+    if mode == "ar":
+        return "tokens"
+    if not exact:
+        return "not guaranteed"
+    return "tokens" if greedy or (cycle == "two-pass" and tree > 0) else "distribution"
+
+
 def auto_cycle(mode: str, cycle: str, greedy: bool, trained_head: bool, tree: int | None,
                lookup: int | None) -> tuple[int, int]:
     """(tree, lookup) with None meaning the fastest lossless default: greedy orthrus verifies a DEFAULT_TREE-node

@@ -25,7 +25,7 @@ from transformers import DynamicCache
 from . import exact, kernels
 from .cache import GrowingLayer, growing_cache, stack_keep_rows
 from . import head as headfile
-from .loop import DecodeConfig, GenerationOutput, auto_cycle, block_size, decode
+from .loop import DecodeConfig, GenerationOutput, auto_cycle, block_size, decode, versus_ar
 from ..dtypes import dtype_name
 from .dualview import (DraftSpec, additive_mask, backbone_parameters, block_visibility, diff_parameters,
                        diff_reference_parameters, draft_adapter_rank, draft_adapters_restored_on_error,
@@ -458,7 +458,7 @@ class OrthrusLM(nn.Module):
         cycle = settings.get("cycle", "two-pass")
         mode, tree, _, _ = self.resolve_cycle(settings.get("mode", "orthrus"), cycle, False, settings.get("tree"),
                                               settings.get("lookup"), settings.get("k"), context)
-        return mode == "ar" or (cycle == "two-pass" and tree > 0)
+        return versus_ar(mode, cycle, tree, greedy=False, exact=True) == "tokens"
 
     def generate(self, prompt: str | list[int], mode: str = "orthrus", *, max_new_tokens: int = 128,
                  k: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
@@ -507,6 +507,7 @@ class OrthrusLM(nn.Module):
                   "cycle": cycle if speculative else None, "k": block_size(self.k, cfg) if speculative else None,
                   "tree": tree if speculative else 0, "lookup": lookup if speculative else 0,
                   "choice": choice.to_dict() if choice is not None else None,
+                  "versus_ar": versus_ar(mode, cycle, tree, sampling.greedy, self.attn == EXACT),
                   "kernels": kernels.build_name() if self.attn == EXACT else None}
         return GenerationOutput(text=text, token_ids=state.generated, stats=state.stats.to_dict(),
                                 prompt_ids=prompt_ids, finish_reason=state.finished, config=config,

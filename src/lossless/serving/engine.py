@@ -330,7 +330,8 @@ class Engine:
         state, model = seq.state, self.model
         text = model.tokenizer.decode(state.generated, skip_special_tokens=True) if model.tokenizer is not None else ""
         config = {"dtype": model.dtype_name, "attn": model.attn, "exact": True, "mode": "ar", "cycle": None, "k": None,
-                  "tree": 0, "lookup": entry.lookup, "batched": True, "kernels": kernels.build_name()}
+                  "tree": 0, "lookup": entry.lookup, "batched": True, "kernels": kernels.build_name(),
+                  "versus_ar": "tokens"}
         if entry.alone is not None:  # its first tokens decoded alone, before another request came
             config["alone_first"] = {"tokens": len(entry.alone.token_ids),
                                      **{k: entry.alone.config.get(k) for k in ("mode", "cycle", "k", "tree", "lookup")}}
