@@ -320,17 +320,17 @@ def test_a_sequence_whose_own_step_fails_ends_alone_and_the_others_finish():
 def test_an_engine_fails_only_the_job_whose_own_step_failed(monkeypatch):
     import asyncio
 
-    from lossless.decoding import batch as batch_module
+    from lossless.decoding import sampling as sampling_module
     from lossless.serving.engine import Engine, Job
 
-    real = batch_module.sample
+    real = sampling_module.sample
     doomed = {Draws(13).at(i) for i in range(12)}  # the seed-13 request's draws
 
     def sample(probs, u):  # the seed-13 request's sampling fails, as an unsampleable one did
         if u in doomed:
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
         return real(probs, u)
-    monkeypatch.setattr(batch_module, "sample", sample)
+    monkeypatch.setattr(sampling_module, "sample", sample)
     model = exact_model("llama", torch.float32)
     engine = Engine(model, batch=4)
 

@@ -43,7 +43,7 @@ from ..errors import LosslessError
 from ..names import EXACT, PREFILL_CHUNK
 from .loop import (LOOKUP_ALONE, DecodeConfig, DecodeState, DecodeStats, accept_greedy, accept_sampling, commit,
                    lookup_proposal, validate)
-from .sampling import Draws, argmax, sample
+from .sampling import Draws, argmax
 
 # Compaction copies every live row of the shared cache once; it runs when the rows nobody sees are more than the
 # live ones and at least this many (a few steps of a full batch), so a step rarely pays for it.
@@ -286,7 +286,7 @@ class BatchDecoder:
         elif seq.drafts:  # copies, kept where AR's draw chooses them
             n_accepted, token = accept_sampling(seq.drafts, None, logits, cfg.sampling, seq.draws, len(state.generated))
         else:
-            n_accepted, token = 0, sample(cfg.sampling.probs(logits[0]), seq.draws.at(len(state.generated)))
+            n_accepted, token = 0, cfg.sampling.token(logits[0], seq.draws, len(state.generated))
         if seq.drafts:
             state.stats.accepted.append(n_accepted)
         new = commit(state, [*seq.drafts[:n_accepted], token], cfg, logits[: n_accepted + 1])

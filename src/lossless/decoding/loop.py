@@ -335,7 +335,7 @@ def prefill(model: DecodingModel, prompt_ids: list[int], cfg: DecodeConfig, draw
     state = DecodeState(tokens=list(prompt_ids), n_prompt=len(prompt_ids))
     state.cache, logits = model.prefill(prompt_ids)
     state.stats.forwards += 1
-    first = int(argmax(logits)) if cfg.sampling.greedy else sample(cfg.sampling.probs(logits), draws.at(0))
+    first = int(argmax(logits)) if cfg.sampling.greedy else cfg.sampling.token(logits, draws, 0)
     commit(state, [first], cfg, logits[None])
     return state
 
@@ -367,10 +367,7 @@ def ar_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, draws:
     """One AR step: feed the last token, choose the next (sampled: by the draw of its position)."""
     logits = model.step(state.cache, state.tokens[-1])
     state.stats.forwards += 1
-    if cfg.sampling.greedy:
-        tok = int(argmax(logits))
-    else:
-        tok = sample(cfg.sampling.probs(logits), draws.at(len(state.generated)))
+    tok = int(argmax(logits)) if cfg.sampling.greedy else cfg.sampling.token(logits, draws, len(state.generated))
     return commit(state, [tok], cfg, logits[None])
 
 
@@ -396,12 +393,12 @@ def accept_sampling(drafts: list[int], q: torch.Tensor | None, logits: torch.Ten
     chance min(1, p(x) / q(x)) (the position's TEST draw), else a token drawn from normalize(max(0, p - q)) (its
     RESIDUAL draw): a draw from p. After the last draft, AR's own draw chooses the bonus token."""
     for j, x in enumerate(drafts):
-        p = sampling.probs(logits[j])
         if q is None:
-            token = sample(p, draws.at(first + j))
+            token = sampling.token(logits[j], draws, first + j)
             if token == x:
                 continue
             return j, token
+        p = sampling.probs(logits[j])
         px, qx = float(p[x]), float(q[j, x])  # (a draft drawn from q has qx > 0; a given drafter's q may say 0:
         ratio = min(1.0, px / qx) if qx > 0 else (1.0 if px > 0 else 0.0)  # kept if p has it, never if p has not)
         if draws.at(first + j, TEST) < ratio:
@@ -410,7 +407,7 @@ def accept_sampling(drafts: list[int], q: torch.Tensor | None, logits: torch.Ten
         if float(residual.sum()) <= 0:  # p == q numerically: any draw from p is exact
             residual = p
         return j, sample(residual, draws.at(first + j, RESIDUAL))  # (weights: `sample` draws by their share)
-    return len(drafts), sample(sampling.probs(logits[len(drafts)]), draws.at(first + len(drafts)))
+    return len(drafts), sampling.token(logits[len(drafts)], draws, first + len(drafts))
 
 
 def accept(state: DecodeState, drafts: list[int], q: torch.Tensor | None, logits: torch.Tensor,
@@ -502,7 +499,7 @@ def tree_cycle(model: DecodingModel, state: DecodeState, cfg: DecodeConfig, k: i
     else:  # the token AR's draw at each node's position chooses, while a child holds it
         first = len(state.generated)
         while True:
-            bonus = sample(cfg.sampling.probs(verify[path_rows[-1]]), draws.at(first + len(path_rows) - 1))
+            bonus = cfg.sampling.token(verify[path_rows[-1]], draws, first + len(path_rows) - 1)
             if (row := children.get(path_rows[-1], {}).get(bonus)) is None:
                 break
             path_rows.append(row)

@@ -54,6 +54,11 @@ class SamplingConfig:
     def draws(self) -> "Draws":
         return Draws(self.seed)
 
+    def token(self, logits: torch.Tensor, draws: "Draws", i: int) -> int:
+        """The token AR's draw at generated position i chooses from a row of logits [V]: the one rule every sampled
+        AR step, batched step and verification of candidates chosen without a draw takes."""
+        return sample(self.probs(logits), draws.at(i))
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Processed sampling distribution, float32: logits [..., V] -> probs [..., V]."""
         scores = logits.float() / self.temperature
