@@ -81,12 +81,13 @@ def test_every_variant_reproduces_amx_recorded_outputs(threads):
     torch.set_num_threads(threads)
     try:
         for label, managers in variant_settings():
-            differ = 0
-            for k, kind, a, b, c0, c in blocks:
-                packed = kernels.pack_weight(bf16(b.T.copy()))
-                got = run_under(managers, lambda: kernels.linear_sums(bf16(a), packed, 16, torch.from_numpy(c0.copy())))
-                differ += same_bits_nan_aside(got.numpy(), c)
-            assert differ == 0, f"{label}: {differ} of {64 * 256} outputs differ from AMX's"
+            for tiles in (False, True):  # weights in pair steps, and in AMX's tile layout
+                differ = 0
+                for k, kind, a, b, c0, c in blocks:
+                    packed = kernels.pack_weight(bf16(b.T.copy()), tiles=tiles)
+                    got = run_under(managers, lambda: kernels.linear_sums(bf16(a), packed, 16, torch.from_numpy(c0.copy())))
+                    differ += same_bits_nan_aside(got.numpy(), c)
+                assert differ == 0, f"{label}, tile layout {tiles}: {differ} of {64 * 256} outputs differ from AMX's"
     finally:
         torch.set_num_threads(before)
 
@@ -150,8 +151,8 @@ def amx_order(x: torch.Tensor, w: torch.Tensor, init: np.ndarray) -> np.ndarray:
 def test_every_variant_computes_amx_order_over_shapes_and_blocks(data):
     """Any rows (blocks of 4; tall blocks read chunk by chunk: up to 14 rows with e and o side by side, 15 to 28
     rows as one block even steps first, more rows in several blocks of up to 14; widened blocks; 16-row tiles and
-    their remainders), any k (padded to 32) and any outputs: linear's fp32 sums are AMX's order exactly, and
-    linear rounds them once to bf16."""
+    their remainders), any k (padded to 32) and any outputs, the weights in pair steps or in AMX's tile layout:
+    linear's fp32 sums are AMX's order exactly, and linear rounds them once to bf16."""
     m, k, n = (data.draw(st.integers(lo, hi), label=name) for name, lo, hi in (("m", 1, 60), ("k", 1, 130), ("n", 1, 40)))
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
     spread = data.draw(st.sampled_from([0, 12]), label="exponent spread")  # 2^-12..2^12: no underflow, no overflow
@@ -160,7 +161,7 @@ def test_every_variant_computes_amx_order_over_shapes_and_blocks(data):
     x, w = make(m, k), make(n, k)
     init = (torch.randn(m, n, generator=g) * 4).numpy() if data.draw(st.booleans(), label="init") else np.zeros((m, n))
     want = amx_order(x, w, init)
-    packed = kernels.pack_weight(w)
+    packed = kernels.pack_weight(w, tiles=data.draw(st.booleans(), label="tile layout"))
     for label, managers in variant_settings():
         sums = run_under(managers, lambda: kernels.linear_sums(x, packed, n, torch.from_numpy(init).float()))
         assert same_bits_nan_aside(sums.numpy(), want) == 0, label
@@ -184,8 +185,10 @@ def test_amx_tiles_give_the_dot_product_variant_bits(rows):
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            with kernels.use_isa("amx"), kernels.amx_rows(1):
-                assert torch.equal(kernels.linear(x, packed, 1536, bias).view(torch.int16), want.view(torch.int16))
+            for tiles in (False, True):  # B tiles rebuilt from pair steps, and read in place from the tile layout
+                with kernels.use_isa("amx"), kernels.amx_rows(1):
+                    got = kernels.linear(x, kernels.pack_weight(w, tiles=tiles), 1536, bias)
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (threads, tiles)
     finally:
         torch.set_num_threads(before)
 
@@ -193,9 +196,10 @@ def test_amx_tiles_give_the_dot_product_variant_bits(rows):
 @pytest.mark.skipif("avx512bf16" not in VARIANTS, reason="the amx variant's code needs AVX-512 BF16 around its tiles")
 def test_the_amx_path_with_its_tile_instructions_written_out_reproduces_amx():
     """On any CPU that can run the amx variant's other instructions: its whole path (x in 16-row tiles in the
-    inputs' own order, each chunk's B tiles rebuilt from the parity pairs, starting sums, remainders, stores) with
-    only TDPBF16PS written out reproduces AMX's recorded outputs and the other variants' bits. So on a CPU with AMX
-    only the tile instructions themselves are new (`test_amx_tiles_give_the_dot_product_variant_bits`)."""
+    inputs' own order, each chunk's B tiles rebuilt from the parity pairs or read from the tile layout, starting
+    sums, remainders, stores) with only TDPBF16PS written out reproduces AMX's recorded outputs and the other
+    variants' bits. So on a CPU with AMX only the tile instructions themselves are new
+    (`test_amx_tiles_give_the_dot_product_variant_bits`)."""
     amx = kernels.extension().amx
     before = amx.amx_min_rows()
     amx.set_tile_emulation(True)
@@ -203,15 +207,19 @@ def test_the_amx_path_with_its_tile_instructions_written_out_reproduces_amx():
     try:
         assert amx.amx_min_rows() == 1
         for k, kind, a, b, c0, c in recorded_blocks():
-            got = amx.linear_sums(bf16(a), kernels.pack_weight(bf16(b.T.copy())), 16, torch.from_numpy(c0.copy()))
-            assert same_bits_nan_aside(got.numpy(), c) == 0, (k, kind)
+            for tiles in (False, True):
+                got = amx.linear_sums(bf16(a), kernels.pack_weight(bf16(b.T.copy()), tiles=tiles), 16,
+                                      torch.from_numpy(c0.copy()))
+                assert same_bits_nan_aside(got.numpy(), c) == 0, (k, kind, tiles)
         g = torch.Generator().manual_seed(3)
         for rows, k, n in ((1, 576, 70), (17, 100, 33), (40, 64, 16)):  # 4 panels and 1, 16-row tiles and remainders
             x, w = torch.randn(rows, k, generator=g).to(torch.bfloat16), torch.randn(n, k, generator=g).to(torch.bfloat16)
             bias = torch.randn(n, generator=g).to(torch.bfloat16)
             with kernels.use_isa("avx512bf16"):
                 want = kernels.linear(x, kernels.pack_weight(w), n, bias)
-            assert torch.equal(amx.linear(x, kernels.pack_weight(w), n, bias).view(torch.int16), want.view(torch.int16))
+            for tiles in (False, True):
+                got = amx.linear(x, kernels.pack_weight(w, tiles=tiles), n, bias)
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (rows, tiles)
     finally:
         amx.set_tile_emulation(False)
         amx.set_amx_rows(before if before > 0 else 0)

@@ -374,6 +374,21 @@ def test_exact_mode_keeps_frozen_weights_as_panels_only(family):
 def test_unpacking_a_packed_weight_gives_it_back_bit_for_bit(dtype, n, k, seed):
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
     assert torch.equal(kernels.unpack_weight(kernels.pack_weight(w), n, k), w)
+    tiled = kernels.pack_weight(w, tiles=True)  # AMX's tile layout (bf16; the others keep theirs)
+    assert torch.equal(kernels.unpack_weight(tiled, n, k), w)
+    assert tiled.dim() == (4 if dtype == torch.bfloat16 else 3) and tiled.numel() == kernels.pack_weight(w).numel()
+
+
+def test_the_tile_layout_holds_amx_b_tiles():
+    """Chunk c of panel p in the tile layout is TDPBF16PS's B tile: row i, lane l holds inputs 32c + 2i (low half)
+    and 32c + 2i + 1 (high half) of output 16p + l."""
+    w = (torch.arange(40 * 70) % 251).reshape(40, 70).to(torch.bfloat16)  # small integers: exact in bf16
+    tiled = kernels.pack_weight(w, tiles=True)
+    assert tiled.shape == (3, 3, 16, 32)
+    for p, c, i, lane in ((0, 0, 0, 0), (1, 2, 7, 5), (2, 1, 15, 7), (0, 1, 3, 15)):
+        out, j = 16 * p + lane, 32 * c + 2 * i
+        want = [w[out, j + h].item() if out < 40 and j + h < 70 else 0.0 for h in (0, 1)]
+        assert tiled[p, c, i, 2 * lane:2 * lane + 2].tolist() == want
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -413,6 +428,8 @@ def test_rows_gathered_from_the_panels_are_the_embedding_lookup(dtype, n, k, sha
     ids = torch.randint(0, n, shape, generator=gen)
     packed = kernels.pack_weight(w)
     assert torch.equal(kernels.embedding_rows(packed, ids, n, k), torch.nn.functional.embedding(ids, w))
+    assert torch.equal(kernels.embedding_rows(kernels.pack_weight(w, tiles=True), ids, n, k),
+                       torch.nn.functional.embedding(ids, w))
     for bad in (-1, n):  # outside the vocabulary: refused, as the lookup refuses it (not a padding row)
         with pytest.raises(IndexError):
             kernels.embedding_rows(packed, torch.tensor([0, bad]), n, k)

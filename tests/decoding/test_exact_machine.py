@@ -79,16 +79,16 @@ def nan_bits(t: torch.Tensor) -> torch.Tensor:
     return bits(torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t))
 
 
-def random_layers(dtype, make, layers: int, qk_norm: bool, bias: bool):
+def random_layers(dtype, make, layers: int, qk_norm: bool, bias: bool, tiles: bool = False):
     """Stack.add's arguments for `layers` decoder layers of odd widths (hidden 37, 4 heads and 2 kv heads of 10,
-    MLP 45), every tensor drawn by `make(shape)`."""
+    MLP 45), every tensor drawn by `make(shape)`; `tiles`: bf16 weights packed in AMX's tile layout."""
     hidden, d, heads, kv, inter = 37, 10, 4, 2, 45
     empty = torch.empty(0, dtype=dtype)
     out = []
     for _ in range(layers):
         shapes_in, shapes_out = [(heads * d, hidden), (kv * d, hidden), (kv * d, hidden)], \
             [(hidden, heads * d), (inter, hidden), (inter, hidden), (hidden, inter)]
-        packed = lambda shapes: [kernels.pack_weight(make(s)) for s in shapes]  # noqa: E731
+        packed = lambda shapes: [kernels.pack_weight(make(s), tiles=tiles) for s in shapes]  # noqa: E731
         biases = lambda shapes: [make((s[0],)) if bias else empty for s in shapes]  # noqa: E731
         norms = [make((d,)) if qk_norm else empty for _ in range(2)]
         out.append((make((hidden,)), 1e-5, packed(shapes_in), biases(shapes_in), [s[0] for s in shapes_in], *norms,
@@ -105,7 +105,7 @@ def test_the_layer_stack_gives_the_bits_of_the_layer_calls(dtype, data):
     output and the cache rows of `layer_in`, the cache update and `layer_out` called layer by layer, for every
     variant and thread count: rows 1 to 13 over caches of 0 to 40 positions whose key tiles hold any prefix
     of them (the kernel makes the rest from the keys), any visibility, q/k norms and
-    biases or none, values from subnormals up. (A NaN is compared as a NaN, whatever its sign and payload: the
+    biases or none, values from subnormals up, bf16 weights in either layout. (A NaN is compared as a NaN, whatever its sign and payload: the
     elementwise steps round as ATen does, and ATen's own paths disagree on a NaN's bits.)"""
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
     top = 4 if dtype == torch.float16 else 8  # huge values overflow two layers into NaNs: subnormals up to 2^top
@@ -113,7 +113,8 @@ def test_the_layer_stack_gives_the_bits_of_the_layer_calls(dtype, data):
     make = ((lambda s: (torch.randn(*s, generator=g) * 2.0 ** torch.randint(-140, top, s, generator=g).float()).to(dtype))
             if spread else (lambda s: torch.randn(*s, generator=g).to(dtype)))
     m, n = data.draw(st.integers(1, 13), label="rows"), data.draw(st.integers(0, 40), label="cache")
-    layers = random_layers(dtype, make, 2, data.draw(st.booleans(), label="qk norms"), data.draw(st.booleans(), label="bias"))
+    layers = random_layers(dtype, make, 2, data.draw(st.booleans(), label="qk norms"), data.draw(st.booleans(), label="bias"),
+                           data.draw(st.booleans(), label="tile layout"))
     x, cos, sin = make((m, 37)), make((m, 10)), make((m, 10))
     visible = torch.rand(m, n + m, generator=g) < 0.8
     cap = n + m + data.draw(st.integers(0, 5), label="room")
@@ -136,7 +137,7 @@ def test_a_fused_forward_gives_each_views_rows_the_bits_of_its_layer_calls(dtype
     verify = data.draw(st.integers(1, m - 1), label="verify rows")
     n = data.draw(st.sampled_from([0, 7, 40, 1030]), label="cache")
     qk_norm, bias = data.draw(st.booleans(), label="qk norms"), data.draw(st.booleans(), label="bias")
-    layers = random_layers(dtype, make, 2, qk_norm, bias)
+    layers = random_layers(dtype, make, 2, qk_norm, bias, data.draw(st.booleans(), label="tile layout"))
     draft = draft_view_of(layers, make, qk_norm, bias)
     x, cos, sin = make((m, 37)), make((m, 10)), make((m, 10))
     visible = torch.zeros(m, n + m, dtype=torch.bool)
@@ -164,7 +165,7 @@ def test_a_thread_held_up_has_its_panels_taken_and_the_bits_stay(dtype, m, stall
     g = torch.Generator().manual_seed(m)
     make = lambda s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
     n = 20
-    layers = random_layers(dtype, make, 2, True, True)
+    layers = random_layers(dtype, make, 2, True, True, tiles=m == 9)
     x, cos, sin = make((m, 37)), make((m, 10)), make((m, 10))
     visible = torch.ones(m, n + m, dtype=torch.bool).tril(n)
     caches = [(make((1, 2, n + m, 10)), make((1, 2, n + m, 10))) for _ in layers]

@@ -186,7 +186,8 @@ class PackedLinearMixin:
 
     def pack(self, consumed=None) -> None:
         """Pack the weight into panels (`kernels.pack_weight`, `consumed` passed on)."""
-        self._lossless_packed, self._lossless_stamp = kernels.pack_weight(self.weight, consumed), self._stamp()
+        tiles = self.weight.dtype == torch.bfloat16 and kernels.tile_layout()
+        self._lossless_packed, self._lossless_stamp = kernels.pack_weight(self.weight, consumed, tiles), self._stamp()
 
 
 class PanelRowsMixin:

@@ -46,6 +46,7 @@ struct Stack {
     std::vector<int64_t> n_in, n_out;
   };
   std::vector<Layer> layers;
+  bool tiled = false;  // some packed weight is in AMX's tile layout (`tile_layout`)
 
   // layer_in's arguments after cos/sin, the attention scaling, then layer_out's after the visibility
   void add(const at::Tensor& norm_in, double eps_in, const std::vector<at::Tensor>& packed_in,

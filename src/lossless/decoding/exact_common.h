@@ -100,11 +100,18 @@ inline void check_cpu(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.is_contiguous(), what, " must be contiguous");
 }
 
+// a bf16 weight packed in AMX's tile layout, [panels, chunks, 16, 32]: chunk c of panel p one B tile of
+// TDPBF16PS (row i, lane l: inputs 32c + 2i low and 32c + 2i + 1 high of output 16p + l); the same bits as pair
+// steps [panels, steps, 32] through every path, faster on AMX tiles, which read it in place
+inline bool tile_layout(const at::Tensor& packed) {
+  return packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == 16 && packed.size(3) == 32;
+}
+
 inline void check_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
   check_cpu(x, "x");
   check_cpu(packed, "packed weight");
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(0) * 16 >= n,
-              "linear: x [m, k] and a packed weight [panels, steps, 16 or 32] for n outputs");
+  TORCH_CHECK(x.dim() == 2 && (packed.dim() == 3 || tile_layout(packed)) && packed.size(0) * 16 >= n,
+              "linear: x [m, k] and a packed weight [panels, steps, 16 or 32] or [panels, chunks, 16, 32] for n outputs");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "linear: x and weight must share a dtype");
   if (bias.has_value()) check_cpu(*bias, "bias");
 }

@@ -388,16 +388,17 @@ struct Rows {
   int64_t k = 0, rows = 0;
   bool widened = false, amx = false;
   Rows() = default;
-  Rows(const T* x, int64_t m, int64_t k_) {
-    resize(m, k_);
+  Rows(const T* x, int64_t m, int64_t k_, bool tiled = false) {
+    resize(m, k_, tiled);
     for (int64_t r = 0; r < m; ++r) fill(x, r, 0, steps);
   }
-  void resize(int64_t m, int64_t k_) {
+  // tiled: the weights are in AMX's tile layout (`Weight::tiled`), which only the widened path and the tiles read
+  void resize(int64_t m, int64_t k_, bool tiled = false) {
     k = k_;
     rows = m;
     if constexpr (PAIRED<T>) {
       steps = chain_steps(k, true);
-      widened = widen_bf16();
+      widened = tiled || widen_bf16();
 #if defined(LOSSLESS_AMX)
       amx = m >= amx_rows();
       if (amx) tiles.assign(static_cast<size_t>((m + 15) / 16 * 16 * steps * 2), 0);
@@ -493,6 +494,7 @@ struct Weight {
   const T* bias;
   float* sums = nullptr;
   const float* init = nullptr;
+  bool tiled = false;  // bf16 in AMX's tile layout (`tile_layout`), else pair steps
 };
 
 // the 16 sums of one row and panel a chain starts from: +0, or the weight's `init` (lanes past n: +0)
@@ -660,6 +662,32 @@ inline void pair_step(const Rows<at::BFloat16>& x, int64_t r0, const uint32_t* w
   }
 }
 
+// bf16, weights in the tile layout (each chunk one B tile: row i holds inputs 2i low, 2i + 1 high): pair step i of
+// the chains (ODD: o, else e) from the rows i & ~1 and (i & ~1) + 1 of the chunk, their high (ODD) or low halves, so
+// the same inputs meet the same weights in the same order as from pair steps (step 2q: inputs 4q and 4q + 2 =
+// rows 2q and 2q + 1, low; step 2q + 1: 4q + 1 and 4q + 3, high)
+template <int R, int J, bool ODD>
+inline void tile_pair_step(const Rows<at::BFloat16>& x, int64_t r0, const uint32_t* w, int64_t stride, int64_t i,
+                           V16 (&acc)[R][J]) {
+  V16 first[J], second[J];
+#pragma GCC unroll 4
+  for (int j = 0; j < J; ++j) {
+    const uint32_t* row = w + j * stride + (i - (ODD ? 1 : 0)) * LANES;
+    V16 high, low;
+    V16::split_pairs(row, high, low);
+    first[j] = ODD ? high : low;
+    V16::split_pairs(row + LANES, high, low);
+    second[j] = ODD ? high : low;
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const float* xp = x.f.data() + ((r0 + r) * x.steps + i) * 2;
+    const V16 xh = V16::splat(xp[0]), xl = V16::splat(xp[1]);
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) acc[r][j] = acc[r][j].fma(xh, first[j]).fma(xl, second[j]);
+  }
+}
+
 // bf16: R rows x J panels in the AMX order: per chunk of 16 steps the chains e (even steps) and o (odd steps) from
 // +0, a step of each in turn (the weights read in memory order), then sum = sum + (e + o). The sums stay in
 // registers beside the chains in blocks of up to 8 outputs vectors (3 x 8 of 32 registers), else in memory. Tall
@@ -667,7 +695,7 @@ inline void pair_step(const Rows<at::BFloat16>& x, int64_t r0, const uint32_t* w
 // only ever waits on its own previous step), e kept in memory between.
 constexpr int64_t TALL_AHEAD = 256;  // weight lines (16 KB) a tall block alone on its panels prefetches ahead, into L1
                                      // (into L2 the streams of 8 to 14 rows ran 5% slower on Zen 5)
-template <int R, int J, bool WIDE, bool TALL>
+template <int R, int J, int WIDE, bool TALL>
 inline void pair_block(const Rows<at::BFloat16>& x, int64_t r0, const Weight<at::BFloat16>& wt, int64_t p0,
                        int64_t block = 0, int64_t blocks = 1) {
   constexpr bool HELD = R * J <= 8;
@@ -695,7 +723,7 @@ inline void pair_block(const Rows<at::BFloat16>& x, int64_t r0, const Weight<at:
         for (int r = 0; r < R; ++r) a[r][0] = V16::zero();
         for (int64_t i = c + p; i < c + CHUNK_STEPS; i += 2) {
           if (blocks == 1) __builtin_prefetch(w + (i + TALL_AHEAD) * LANES, 0, 3);
-          pair_step<R, J, WIDE, TALL>(x, r0, w, stride, i, a, xt + (i - c));
+          pair_step<R, J, WIDE != 0, TALL>(x, r0, w, stride, i, a, xt + (i - c));
         }
 #pragma GCC unroll 32
         for (int r = 0; r < R; ++r) {
@@ -724,8 +752,13 @@ inline void pair_block(const Rows<at::BFloat16>& x, int64_t r0, const Weight<at:
         prefetch_panels<J, TALL>(w + i * LANES, steps);
         prefetch_panels<J, TALL>(w + (i + 1) * LANES, steps);
       }
-      pair_step<R, J, WIDE, TALL>(x, r0, w, stride, i, e, xt);
-      pair_step<R, J, WIDE, TALL>(x, r0, w, stride, i + 1, o, TALL ? xt + 1 : nullptr);
+      if constexpr (WIDE == 2) {
+        tile_pair_step<R, J, false>(x, r0, w, stride, i, e);
+        tile_pair_step<R, J, true>(x, r0, w, stride, i + 1, o);
+      } else {
+        pair_step<R, J, WIDE != 0, TALL>(x, r0, w, stride, i, e, xt);
+        pair_step<R, J, WIDE != 0, TALL>(x, r0, w, stride, i + 1, o, TALL ? xt + 1 : nullptr);
+      }
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
@@ -750,7 +783,7 @@ inline void pair_block(const Rows<at::BFloat16>& x, int64_t r0, const Weight<at:
 }
 
 // the block of `rows` (1..R) rows from row r through panels p..p+J-1: fp32/fp16 panel_block, bf16 pair_block
-template <int R, int J, bool WIDE, bool TALL, typename T>
+template <int R, int J, int WIDE, bool TALL, typename T>
 inline void block_of(int rows, const Rows<T>& x, int64_t r, const Weight<T>& wt, int64_t p, int64_t block,
                      int64_t blocks) {
   if (rows == R) {
@@ -764,7 +797,7 @@ inline void block_of(int rows, const Rows<T>& x, int64_t r, const Weight<T>& wt,
 
 // panels p..p+J-1 for all m rows, in blocks of at most R rows: every block reads these J panels while they sit in
 // L2, so the weights leave memory once per call
-template <int R, int J, bool WIDE, bool TALL, typename T>
+template <int R, int J, int WIDE, bool TALL, typename T>
 inline void panel_all_rows(const Rows<T>& x, int64_t m, const Weight<T>& wt, int64_t p) {
   const int64_t blocks = row_blocks(m, R);
   int64_t r = 0;
@@ -776,7 +809,7 @@ inline void panel_all_rows(const Rows<T>& x, int64_t m, const Weight<T>& wt, int
 }
 
 // panels p0..p1-1 of one weight, J at a time (the last ones one by one), blocks of at most R rows
-template <int R, int J, bool WIDE, bool TALL, typename T>
+template <int R, int J, int WIDE, bool TALL, typename T>
 inline void panels_by(const Rows<T>& x, int64_t m, const Weight<T>& wt, int64_t p0, int64_t p1) {
   int64_t p = p0;
   for (; p + J <= p1; p += J) panel_all_rows<R, J, WIDE, TALL>(x, m, wt, p);
@@ -918,10 +951,15 @@ inline void amx_panels(const Rows<at::BFloat16>& x, int64_t m, const Weight<at::
                        std::vector<uint32_t>& b, float* buf) {
   const int64_t steps = x.steps, chunks = steps / CHUNK_STEPS, tile_words = CHUNK_STEPS * LANES;
   const uint32_t* w = reinterpret_cast<const uint32_t*>(wt.packed) + p * steps * LANES;
-  b.resize(static_cast<size_t>(J * chunks * tile_words + LANES));
-  uint32_t* bt = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(b.data()) + 63) & ~uintptr_t(63));
-  for (int j = 0; j < J; ++j)
-    for (int64_t c = 0; c < chunks; ++c) b_tile(w + (j * steps + c * CHUNK_STEPS) * LANES, bt + (j * chunks + c) * tile_words);
+  const uint32_t* bt = w;  // the tile layout: each chunk of each panel a B tile already, in place
+  if (!wt.tiled) {         // pair steps: the panels' B tiles built here, once per call
+    b.resize(static_cast<size_t>(J * chunks * tile_words + LANES));
+    uint32_t* built = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(b.data()) + 63) & ~uintptr_t(63));
+    for (int j = 0; j < J; ++j)
+      for (int64_t c = 0; c < chunks; ++c)
+        b_tile(w + (j * steps + c * CHUNK_STEPS) * LANES, built + (j * chunks + c) * tile_words);
+    bt = built;
+  }
   if (tile_emulation()) return amx_panels_emulated(x, m, wt, p, J, bt, chunks);
   const int64_t a_stride = steps * 2 * 2;  // bytes from one row of x to the next
   for (int64_t r0 = 0; r0 < m; r0 += 16) {
@@ -965,18 +1003,22 @@ inline void panel_range(const Rows<T>& x, int64_t m, const Weight<T>& wt, int64_
 #if defined(LOSSLESS_AMX)
     if (x.amx) return amx_range(x, m, wt, p0, p1);
 #endif
+    if (x.widened && wt.tiled) {  // (tile-layout weights always come with widened rows: Rows::resize)
+      if (m <= 2) return panels_by<2, JS, 2, false>(x, m, wt, p0, p1);
+      return panels_by<RW, JW, 2, false>(x, m, wt, p0, p1);
+    }
     if (x.widened) {
-      if (m <= 2) return panels_by<2, JS, true, false>(x, m, wt, p0, p1);
-      return panels_by<RW, JW, true, false>(x, m, wt, p0, p1);
+      if (m <= 2) return panels_by<2, JS, 1, false>(x, m, wt, p0, p1);
+      return panels_by<RW, JW, 1, false>(x, m, wt, p0, p1);
     }
 #if defined(LOSSLESS_DPBF16)
-    if (m <= 2) return panels_by<2, 4, false, false>(x, m, wt, p0, p1);
-    if (x.chunked && m <= RT) return panels_by<RT, 1, false, true>(x, m, wt, p0, p1);
-    if (x.chunked) return panels_by<RI, 1, false, true>(x, m, wt, p0, p1);
-    return panels_by<RB, JB, false, false>(x, m, wt, p0, p1);
+    if (m <= 2) return panels_by<2, 4, 0, false>(x, m, wt, p0, p1);
+    if (x.chunked && m <= RT) return panels_by<RT, 1, 0, true>(x, m, wt, p0, p1);
+    if (x.chunked) return panels_by<RI, 1, 0, true>(x, m, wt, p0, p1);
+    return panels_by<RB, JB, 0, false>(x, m, wt, p0, p1);
 #endif
   } else {
-    panels_by<RF, JF, false, false>(x, m, wt, p0, p1);
+    panels_by<RF, JF, 0, false>(x, m, wt, p0, p1);
   }
 }
 
@@ -998,13 +1040,16 @@ template <typename T>
 void linear_impl(const at::Tensor& x, const std::vector<at::Tensor>& packed, std::vector<Weight<T>> weights) {
   const FlushDenormals flush;
   const int64_t m = x.size(0), k = x.size(1);
-  const Rows<T> rows(x.data_ptr<T>(), m, k);
+  bool tiled = false;
+  for (const at::Tensor& p : packed) tiled = tiled || tile_layout(p);
+  const Rows<T> rows(x.data_ptr<T>(), m, k, tiled);
   int64_t total = 0;
   for (size_t w = 0; w < packed.size(); ++w) {
     TORCH_CHECK(packed[w].numel() == packed_elements(packed[w].size(0), rows.steps, PAIRED<T>),
                 "linear: the packed weight does not match x (pack it with kernels.pack_weight)");
     weights[w].packed = packed[w].data_ptr<T>();
     weights[w].panels = packed[w].size(0);
+    weights[w].tiled = tile_layout(packed[w]);
     total += weights[w].panels;
   }
   at::parallel_for(0, total, 4, [&](int64_t g0, int64_t g1) {
@@ -1965,9 +2010,9 @@ inline double product_seconds(int64_t m, bool amx, const std::vector<at::BFloat1
   amx_rows() = amx ? 1 : INT64_MAX;
   std::vector<at::BFloat16> x(static_cast<size_t>(m * k)), out(static_cast<size_t>(m * panels * LANES));
   for (size_t i = 0; i < x.size(); ++i) x[i] = at::BFloat16(0.125f * static_cast<float>(static_cast<int>(i * 7 % 13) - 6));
-  const Rows<at::BFloat16> rows(x.data(), m, k);
+  const Rows<at::BFloat16> rows(x.data(), m, k, true);
   amx_rows() = saved;
-  const Weight<at::BFloat16> wt{w.data(), panels * LANES, panels, out.data(), nullptr};
+  const Weight<at::BFloat16> wt{w.data(), panels * LANES, panels, out.data(), nullptr, nullptr, nullptr, true};
   double best = 1e9;
   for (int t = 0; t < 5; ++t) {
     const auto start = std::chrono::steady_clock::now();
@@ -2289,7 +2334,7 @@ void Stack::add(const at::Tensor& norm_in, double eps_in, const std::vector<at::
   const auto check_packed = [&](const at::Tensor& p, const at::Tensor& bias, int64_t n, int64_t k) {
     check_cpu(p, "packed weight");
     const bool pairs = dtype == at::kBFloat16;
-    TORCH_CHECK(p.scalar_type() == dtype && p.dim() == 3 && p.size(0) * LANES >= n &&
+    TORCH_CHECK(p.scalar_type() == dtype && (p.dim() == 3 || tile_layout(p)) && p.size(0) * LANES >= n &&
                     p.numel() == packed_elements(p.size(0), chain_steps(k, pairs), pairs),
                 "Stack.add: a packed weight that does not match its layer (pack it with kernels.pack_weight)");
     TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == dtype && bias.numel() == n && bias.is_contiguous()),
@@ -2309,6 +2354,8 @@ void Stack::add(const at::Tensor& norm_in, double eps_in, const std::vector<at::
   }
   for (const at::Tensor& t : {q_norm, k_norm})
     TORCH_CHECK(t.numel() == 0 || (t.dim() == 1 && t.size(0) == head_dim && t.is_contiguous()), "Stack.add: q/k norms [d]");
+  for (const auto* group : {&packed_in, &packed_out})
+    for (const at::Tensor& p : *group) tiled = tiled || tile_layout(p);
   layers.push_back({norm_in, q_norm, k_norm, norm_out, eps_in, qk_eps, scaling, eps_out, head_dim, packed_in,
                     bias_in, packed_out, bias_out, n_in, n_out});
 }
@@ -2489,7 +2536,7 @@ struct StackRun {
 
   static const T* bias_of(const at::Tensor& b) { return b.numel() ? b.data_ptr<T>() : nullptr; }
   static Weight<T> weight(const at::Tensor& packed, const at::Tensor& bias, int64_t n_out, T* out) {
-    return {packed.data_ptr<T>(), n_out, packed.size(0), out, bias_of(bias)};
+    return {packed.data_ptr<T>(), n_out, packed.size(0), out, bias_of(bias), nullptr, nullptr, tile_layout(packed)};
   }
 
   // rows r0..r1-1: x += add (ATen's rounding, the caller's mode), then the norm (the kernel's) into out and rows
@@ -2685,13 +2732,14 @@ at::Tensor stack_forward(const Stack& s, const Stack* draft, int64_t verify, con
                                panels(L.packed_out, 3, 4)})  // a claim's word holds 24 bits of panels
       TORCH_CHECK(step < (int64_t{1} << 24), "Stack.forward: a linear step of 2^24 panels or more");
   }
-  run.rows_in.resize(run.nv, run.hidden);
-  run.rows_h.resize(m, run.hidden);
-  run.rows_a.resize(run.nv, nq);
-  run.rows_act.resize(m, inter);
+  const bool tiled = s.tiled || (draft != nullptr && draft->tiled);  // (see Rows::resize)
+  run.rows_in.resize(run.nv, run.hidden, tiled);
+  run.rows_h.resize(m, run.hidden, tiled);
+  run.rows_a.resize(run.nv, nq, tiled);
+  run.rows_act.resize(m, inter, tiled);
   if (draft != nullptr) {
-    run.rows_in_d.resize(m - run.nv, run.hidden);
-    run.rows_a_d.resize(m - run.nv, nq);
+    run.rows_in_d.resize(m - run.nv, run.hidden, tiled);
+    run.rows_a_d.resize(m - run.nv, nq, tiled);
   }
   const int threads = std::max(1, at::get_num_threads());
   run.claims = std::make_unique<typename StackRun<T>::Claim[]>(static_cast<size_t>(threads));

@@ -111,12 +111,14 @@ std::string request_amx() {
 // pair steps: lane l's pair of step s at 2l (low) and 2l + 1 (high), inputs 4q..4q+3 as (4q+2 low, 4q high) in step
 // 2q and (4q+3 low, 4q+1 high) in step 2q + 1; others [p, k, 16], input j of lane l at [j, l].
 static torch::Tensor embedding_rows(const torch::Tensor& packed, const torch::Tensor& ids, int64_t n, int64_t k) {
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == 16 * (packed.scalar_type() == torch::kBFloat16 ? 2 : 1),
-              "embedding_rows: packed panels expected");
+  const bool tiled = exact_shared::tile_layout(packed);  // [p, chunks, 16, 32]: input j of lane l at [j / 32, j % 32 / 2, l, j % 2]
+  TORCH_CHECK((tiled || (packed.dim() == 3 && packed.size(2) == 16 * (packed.scalar_type() == torch::kBFloat16 ? 2 : 1))) &&
+                  packed.is_contiguous(), "embedding_rows: packed panels expected");
   TORCH_CHECK(packed.device().is_cpu() && ids.device().is_cpu(), "embedding_rows: CPU tensors expected");
   TORCH_CHECK(!ids.is_floating_point() && !ids.is_complex(), "embedding_rows: token ids must be integers");
   auto flat = ids.reshape({-1}).to(torch::kLong).contiguous();
-  const int64_t m = flat.numel(),* id = flat.data_ptr<int64_t>(), panels = packed.size(0), steps = packed.size(1);
+  const int64_t m = flat.numel(),* id = flat.data_ptr<int64_t>(), panels = packed.size(0),
+                steps = tiled ? packed.size(1) * 16 : packed.size(1);
   for (int64_t i = 0; i < m; ++i)
     if (id[i] < 0 || id[i] >= n || id[i] / 16 >= panels)
       throw pybind11::index_error("token ids must lie in 0.." + std::to_string(n - 1));
@@ -128,7 +130,7 @@ static torch::Tensor embedding_rows(const torch::Tensor& packed, const torch::Te
     for (int64_t i = 0; i < m; ++i) {
       const uint16_t* lane = base + (id[i] / 16) * steps * 32 + (id[i] % 16) * 2;
       for (int64_t j = 0; j < k; ++j)
-        dst[i * k + j] = lane[(2 * (j / 4) + (j & 1)) * 32 + ((j & 3) < 2 ? 1 : 0)];
+        dst[i * k + j] = tiled ? lane[j / 2 * 32 + (j & 1)] : lane[(2 * (j / 4) + (j & 1)) * 32 + ((j & 3) < 2 ? 1 : 0)];
     }
   } else {
     TORCH_CHECK(steps >= k, "embedding_rows: panels shorter than the rows");

@@ -235,12 +235,12 @@ def _check_values(shape: tuple[int, ...], dtype: torch.dtype, seed: int, top: in
     return out.reshape(shape)
 
 
-def _check_digest(variant) -> str:
+def _check_digest(variant, tile_weights: bool = False) -> str:
     """sha256 (16 hex digits) of what `variant` computes from the self-check's inputs, in fp32, bf16 and fp16:
     linear layers of 1 to 32 rows (every block shape), bf16's product-sums from a start, attention, RMSNorm,
     SiLU, a tree's choices, and a layer stack of one decoder layer (q/k norms, biases, key tiles made from the
     keys) over a cache of 20 positions and one of 1,100 (whose attention splits over the threads), one row and a
-    causal block of 9 each, with the final norm."""
+    causal block of 9 each, with the final norm. `tile_weights`: bf16 weights packed in AMX's tile layout."""
     digest = hashlib.sha256()
 
     def add(t: torch.Tensor) -> None:
@@ -251,7 +251,7 @@ def _check_digest(variant) -> str:
         seed = iter(range(100 * code, 100 * code + 100))
         make = lambda shape, top=0: _check_values(shape, dtype, next(seed), top)  # noqa: E731
         w, bias = make((70, 301), -3), make((70,))
-        packed = pack_weight(w)
+        packed = pack_weight(w, tiles=tile_weights)
         for rows in (1, 3, 4, 5, 9, 13, 16, 17, 29, 32):
             add(variant.linear(make((rows, 301)), packed, 70, bias if rows % 2 else None))
         if dtype == torch.bfloat16:
@@ -267,9 +267,9 @@ def _check_digest(variant) -> str:
         shapes_in, shapes_out = [(heads * d, hidden), (kv * d, hidden), (kv * d, hidden)], \
             [(hidden, heads * d), (inter, hidden), (inter, hidden), (hidden, inter)]
         stack = variant.Stack()
-        stack.add(make((hidden,)), 1e-5, [pack_weight(make(s, -3)) for s in shapes_in], [make((s[0],)) for s in shapes_in],
+        stack.add(make((hidden,)), 1e-5, [pack_weight(make(s, -3), tiles=tile_weights) for s in shapes_in], [make((s[0],)) for s in shapes_in],
                   [s[0] for s in shapes_in], make((d,)), make((d,)), 1e-6, d, d ** -0.5,
-                  [pack_weight(make(s, -3)) for s in shapes_out], [make((s[0],)) for s in shapes_out],
+                  [pack_weight(make(s, -3), tiles=tile_weights) for s in shapes_out], [make((s[0],)) for s in shapes_out],
                   [s[0] for s in shapes_out], make((hidden,)), 1e-5)
         for n, rows in ((20, 1), (20, 9), (1100, 1), (1100, 9)):  # (a long cache: attention split over the threads)
             cap = n + rows + 3
@@ -286,16 +286,19 @@ def _check_digest(variant) -> str:
 def self_check(variant) -> str:
     """`_check_digest` of `variant` (a variant's kernels, e.g. `extension().avx2`) under every setting that
     changes its speed and not its bits (bf16 by the dot-product instruction and widened, tall blocks and blocks
-    of 4 rows, AMX tiles from one row and never): that value where all agree, else the values joined by '/'."""
+    of 4 rows, AMX tiles from one row and never, bf16 weights in pair steps and in AMX's tile layout): that value
+    where all agree, else the values joined by '/'."""
     widened = variant.bf16_widened()
     tiles = variant.amx_min_rows()
     values, ran = [], set()
+    settings = ((False, True, 0, False), (True, True, 0, False), (False, False, 0, False), (False, True, 1, False),
+                (False, True, 0, True), (False, True, 1, True))
     try:
-        for wide, tall, amx in ((False, True, 0), (True, True, 0), (False, False, 0), (False, True, 1)):
-            in_force = (variant.set_widen_bf16(wide), variant.set_tall_blocks(tall), variant.set_amx_rows(amx))
+        for wide, tall, amx, layout in settings:
+            in_force = (variant.set_widen_bf16(wide), variant.set_tall_blocks(tall), variant.set_amx_rows(amx), layout)
             if in_force not in ran:  # (a variant without such a setting computes the same calls again)
                 ran.add(in_force)
-                values.append(_check_digest(variant))
+                values.append(_check_digest(variant, layout))
     finally:
         variant.set_widen_bf16(widened)
         variant.set_tall_blocks(True)
@@ -502,11 +505,14 @@ _PARITY = [2, 0, 3, 1]
 _NATURAL = [1, 3, 0, 2]
 
 
-def pack_weight(weight: torch.Tensor, consumed=None) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor, consumed=None, tiles: bool = False) -> torch.Tensor:
     """weight [n, k] -> panels of 16 outputs (outputs past n are zeros), the layout `linear` reads: fp32 and fp16
     [ceil(n/16), k, 16], one input's 16 weights side by side, so each output is one fma chain over its inputs in
     order; bf16 [ceil(n/16), kp/2, 32] with k padded to kp, a multiple of 32, by zero inputs: 32-bit pairs of inputs
     of one parity (see exact_isa.h), the layout of the order AMX computes, an even and an odd chain per chunk of 32.
+    With `tiles` (bf16 only; `tile_layout()` says when it pays), AMX's tile layout [ceil(n/16), kp/32, 16, 32]
+    instead: chunk c of a panel is one B tile of the tile dot product (row i holds inputs 32c + 2i and 32c + 2i + 1
+    of the 16 outputs), which AMX reads in place; every variant computes the same bits from either layout.
     `consumed(r0, r1)`, where given, is called once rows r0..r1-1 of `weight` are no longer read (its caller may
     then drop their pages)."""
     n, k = weight.shape
@@ -534,6 +540,13 @@ def pack_weight(weight: torch.Tensor, consumed=None) -> torch.Tensor:
             out[c:c + PACK_PANELS] = panels[c:c + PACK_PANELS].transpose(1, 2)
             done(c)
         return out
+    if tiles:
+        out = torch.empty(count, kp // CHUNK, PANEL, 2 * PANEL, dtype=weight.dtype, device=weight.device)
+        for c in range(0, count, PACK_PANELS):  # [p, 16 outputs, chunks, 16 rows, 2] -> [p, chunks, rows, outputs, 2]
+            chunk = panels[c:c + PACK_PANELS].reshape(-1, PANEL, kp // CHUNK, PANEL, 2).permute(0, 2, 3, 1, 4)
+            out[c:c + PACK_PANELS] = chunk.reshape(-1, kp // CHUNK, PANEL, 2 * PANEL)
+            done(c)
+        return out
     out = torch.empty(count, kp // 2, 2 * PANEL, dtype=weight.dtype, device=weight.device)
     for c in range(0, count, PACK_PANELS):
         groups = panels[c:c + PACK_PANELS].reshape(-1, PANEL, kp // 4, 4)[..., _PARITY]  # [p, 16, groups, 4]
@@ -555,12 +568,21 @@ def _bf16_inputs(pairs: torch.Tensor) -> torch.Tensor:
 def unpack_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The inverse of `pack_weight`: panels -> the weight [n, k], bit for bit (a copy)."""
     panels = packed.shape[0]
-    if packed.dtype == torch.bfloat16:  # [p, kp/2, 32]: pair steps
+    if packed.dim() == 4:  # [p, chunks, 16, 32]: the tile layout
+        weight = packed.view(panels, packed.shape[1], PANEL, PANEL, 2).permute(0, 3, 1, 2, 4).reshape(panels * PANEL, -1)
+    elif packed.dtype == torch.bfloat16:  # [p, kp/2, 32]: pair steps
         steps = packed.view(panels, packed.shape[1], PANEL, 2).transpose(1, 2)  # [p, 16, steps, 2]
         weight = _bf16_inputs(steps).reshape(panels * PANEL, -1)
     else:  # [p, k, 16]
         weight = packed.transpose(1, 2).reshape(panels * PANEL, packed.shape[1])
     return weight[:n, :k].contiguous()
+
+
+def tile_layout() -> bool:
+    """Whether bf16 weights are best packed in AMX's tile layout here (`pack_weight(tiles=True)`): where the
+    variant that runs is `amx` and takes tiles from some number of rows (its tiles then read the weights in place,
+    not rebuilt call by call). The bits are the same either way."""
+    return isa() == "amx" and amx_min_rows() is not None
 
 
 def loaded() -> bool:
