@@ -373,7 +373,7 @@ template <typename T>
 struct Rows {
   std::vector<float> f;
   std::vector<uint32_t, LineAligned<uint32_t>> pairs;  // from a line's start (tall blocks' chunks are lines)
-  std::vector<uint16_t> tiles;  // AMX: bf16 [ceil(m / 16) * 16, kp], zeros past k and past m
+  std::vector<uint16_t> tiles;  // AMX: bf16 A tiles [ceil(m / 16), kp / 32, 16, 32], zeros past k and past m
   int64_t steps = 0;  // chain steps per output: k, or kp / 2 pairs
   // bf16 pairs row by row: words from one row's steps to the next; in calls of more than 4 rows `steps` padded to
   // an odd number of 64-byte lines, so the rows of a block read step i from as many different L1 sets (at a
@@ -461,19 +461,23 @@ struct Rows {
       for (int64_t i = s0; i < s1; ++i) f[r * k + i] = to_float(xr[i]);
     }
   }
-  // AMX tiles: steps s0..s1-1 of row r as the inputs they hold, in the inputs' own order (steps 2q and 2q + 1 hold
-  // inputs 4q..4q + 3: whole pairs of steps are one copy; the tiles past k stay zeros)
+  // AMX tiles: input j of row r, the A tiles one after another (`tiles`)
+  int64_t tile_at(int64_t r, int64_t j) const { return (((r >> 4) * (steps >> 4) + (j >> 5)) * 16 + (r & 15)) * 32 + (j & 31); }
+  // steps s0..s1-1 of row r as the inputs they hold, in the inputs' own order (steps 2q and 2q + 1 hold inputs
+  // 4q..4q + 3: whole pairs of steps are copies of up to a chunk; the tiles past k stay zeros)
   void fill_tiles(const T* xr, int64_t r, int64_t s0, int64_t s1) {
-    uint16_t* row = tiles.data() + r * steps * 2;
     const auto one = [&](int64_t i) {
       const int64_t first = (i >> 1) * 4 + (i & 1);
-      for (const int64_t j : {first, first + 2}) row[j] = j < k ? xr[j].x : 0;
+      for (const int64_t j : {first, first + 2}) tiles[tile_at(r, j)] = j < k ? xr[j].x : 0;
     };
     int64_t i = s0;
     if (i < s1 && (i & 1)) one(i++);
     const int64_t whole = std::max(i, s1 & ~int64_t{1});
-    const int64_t j0 = 2 * i, j1 = std::min(2 * whole, k);
-    if (j1 > j0) std::memcpy(row + j0, xr + j0, static_cast<size_t>(j1 - j0) * sizeof(uint16_t));
+    for (int64_t j = 2 * i, j1 = std::min(2 * whole, k); j < j1;) {
+      const int64_t n = std::min(j1, (j | 31) + 1) - j;  // to the chunk's end
+      std::memcpy(tiles.data() + tile_at(r, j), xr + j, static_cast<size_t>(n) * sizeof(uint16_t));
+      j += n;
+    }
     for (i = whole; i < s1; ++i) one(i);
   }
   // pair step i of row r from xr, its row of x (an input past k is a zero), in the layouts this call's rows keep
@@ -842,13 +846,25 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-inline void amx_configure() {
+// The tiles' shapes for calls of m rows: an instruction's time grows with the rows of its A tile (on machine C 5.3
+// ns at 16 rows, 3.9 at 9, 3.1 at 1), so the last row tile of a call of up to 32 rows holds only the rows left
+// (m <= 16: C and A of m rows; 16 < m <= 32: the second row tile's C tiles 2, 3 and A tile 5 of m - 16 rows);
+// more rows run whole 16-row tiles, the rows past m zeros. B tiles are always 16 pairs by 16 outputs.
+inline int64_t tile_shape(int64_t m) { return m <= 32 ? m : 0; }
+inline int64_t& tile_shape_now() { thread_local int64_t shape = -1; return shape; }  // -1: not configured
+inline void amx_configure(int64_t shape = 0) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.bytes_per_row[t] = 64;
     cfg.rows[t] = 16;
   }
+  if (shape > 0 && shape <= 16) {
+    for (const int t : {0, 1, 2, 3, 4}) cfg.rows[t] = static_cast<uint8_t>(shape);
+  } else if (shape > 16) {
+    for (const int t : {2, 3, 5}) cfg.rows[t] = static_cast<uint8_t>(shape - 16);
+  }
   __asm__ __volatile__("ldtilecfg %0" : : "m"(cfg) : "memory");
+  tile_shape_now() = shape;
 }
 inline void amx_release() { __asm__ __volatile__("tilerelease" ::: "memory"); }
 #define LOSSLESS_TILE_LOAD(t, base, stride) \
@@ -915,6 +931,7 @@ struct TileHold {
     if (mine) {
       amx_release();
       held() = false;
+      tile_shape_now() = -1;
     }
   }
   TileHold(const TileHold&) = delete;
@@ -922,12 +939,12 @@ struct TileHold {
   static bool& held() { thread_local bool on = false; return on; }
 };
 
-// J tiles of C (+=) A (16 rows of x from a, row stride a_stride bytes) times the B tiles of chunk c of each panel
-inline void emulated_dp(float (*c)[16][16], int J, const uint16_t* a, int64_t a_stride, const uint32_t* bc,
+// J tiles of C (+=) A (16 rows of x from a, an A tile: 32 inputs a row) times the B tiles of chunk c of each panel
+inline void emulated_dp(float (*c)[16][16], int J, const uint16_t* a, const uint32_t* bc,
                         int64_t panel_words) {
   for (int j = 0; j < J; ++j)
     for (int r = 0; r < 16; ++r) {
-      const uint16_t* ar = a + r * (a_stride / 2);
+      const uint16_t* ar = a + r * 32;
       for (int n = 0; n < 16; ++n) {
         float e = 0.0f, o = 0.0f;
         for (int i = 0; i < 16; ++i) {
@@ -945,14 +962,14 @@ inline void emulated_dp(float (*c)[16][16], int J, const uint16_t* a, int64_t a_
 // J (1..4) panels from p for all m rows, tiles written out (`tile_emulation`)
 inline void amx_panels_emulated(const Rows<at::BFloat16>& x, int64_t m, const Weight<at::BFloat16>& wt, int64_t p,
                                 int J, const uint32_t* bt, int64_t chunks) {
-  const int64_t steps = x.steps, tile_words = CHUNK_STEPS * LANES, a_stride = steps * 2 * 2;
+  const int64_t steps = x.steps, tile_words = CHUNK_STEPS * LANES;
   float c[4][16][16];
   for (int64_t r0 = 0; r0 < m; r0 += 16) {
     for (int j = 0; j < J; ++j)
       for (int64_t r = 0; r < 16; ++r)
         (wt.init && r0 + r < m ? start_sum(wt, r0 + r, p + j) : V16::zero()).store(c[j][r]);
     for (int64_t k = 0; k < chunks; ++k)
-      emulated_dp(c, J, x.tiles.data() + r0 * steps * 2 + k * 32, a_stride, bt + k * tile_words, chunks * tile_words);
+      emulated_dp(c, J, x.tiles.data() + x.tile_at(r0, 32 * k), bt + k * tile_words, chunks * tile_words);
     for (int j = 0; j < J; ++j)
       for (int64_t r = 0; r < 16 && r0 + r < m; ++r) store_sum(wt, r0 + r, p + j, c[j][r]);
   }
@@ -975,19 +992,19 @@ inline void amx_panels(const Rows<at::BFloat16>& x, int64_t m, const Weight<at::
     bt = built;
   }
   if (tile_emulation()) return amx_panels_emulated(x, m, wt, p, J, bt, chunks);
-  const int64_t a_stride = steps * 2 * 2;  // bytes from one row of x to the next
+  const int64_t a_tile = 16 * 32;  // bf16 from one A tile to the next (x's 16-row tiles chunk by chunk, 64 bytes a row)
   int64_t r0 = 0;
   if constexpr (J == 2) {  // two 16-row tiles at a time: each B tile loaded once for both
     for (; r0 + 16 < m; r0 += 32) {
-      const uint16_t* a = x.tiles.data() + r0 * steps * 2;
+      const uint16_t* a = x.tiles.data() + x.tile_at(r0, 0);
       amx_start<0>(wt, m, r0, p, buf);
       amx_start<1>(wt, m, r0, p + 1, buf);
       amx_start<2>(wt, m, r0 + 16, p, buf);
       amx_start<3>(wt, m, r0 + 16, p + 1, buf);
       for (int64_t c = 0; c < chunks; ++c) {
         const uint32_t* bc = bt + c * tile_words;
-        LOSSLESS_TILE_LOAD(4, a + c * 32, a_stride);
-        LOSSLESS_TILE_LOAD(5, a + 16 * steps * 2 + c * 32, a_stride);
+        LOSSLESS_TILE_LOAD(4, a + c * a_tile, 64);
+        LOSSLESS_TILE_LOAD(5, a + (chunks + c) * a_tile, 64);
         LOSSLESS_TILE_LOAD(6, bc, 64);
         LOSSLESS_TILE_DP(0, 4, 6);
         LOSSLESS_TILE_DP(2, 5, 6);
@@ -1002,20 +1019,21 @@ inline void amx_panels(const Rows<at::BFloat16>& x, int64_t m, const Weight<at::
     }
   }
   for (; r0 < m; r0 += 16) {
-    const uint16_t* a = x.tiles.data() + r0 * steps * 2;
+    const uint16_t* a = x.tiles.data() + x.tile_at(r0, 0);
     amx_start<0>(wt, m, r0, p, buf);
     if constexpr (J > 1) amx_start<1>(wt, m, r0, p + 1, buf);
     if constexpr (J > 2) amx_start<2>(wt, m, r0, p + 2, buf);
     if constexpr (J > 3) amx_start<3>(wt, m, r0, p + 3, buf);
     for (int64_t c = 0; c < chunks; ++c) {
-      const uint16_t* ac = a + c * 32;
+      const uint16_t* ac = a + c * a_tile;
       const uint32_t* bc = bt + c * tile_words;
-      LOSSLESS_TILE_LOAD(4, ac, a_stride);
-      LOSSLESS_TILE_LOAD(5, bc, 64);
-      LOSSLESS_TILE_DP(0, 4, 5);
-      if constexpr (J > 1) { LOSSLESS_TILE_LOAD(6, bc + chunks * tile_words, 64); LOSSLESS_TILE_DP(1, 4, 6); }
-      if constexpr (J > 2) { LOSSLESS_TILE_LOAD(7, bc + 2 * chunks * tile_words, 64); LOSSLESS_TILE_DP(2, 4, 7); }
-      if constexpr (J > 3) { LOSSLESS_TILE_LOAD(5, bc + 3 * chunks * tile_words, 64); LOSSLESS_TILE_DP(3, 4, 5); }
+      // B in tiles 6 and 7 (whole in every shape), then 5 (whole where J > 2: calls of at most 16 rows)
+      LOSSLESS_TILE_LOAD(4, ac, 64);
+      LOSSLESS_TILE_LOAD(6, bc, 64);
+      LOSSLESS_TILE_DP(0, 4, 6);
+      if constexpr (J > 1) { LOSSLESS_TILE_LOAD(7, bc + chunks * tile_words, 64); LOSSLESS_TILE_DP(1, 4, 7); }
+      if constexpr (J > 2) { LOSSLESS_TILE_LOAD(5, bc + 2 * chunks * tile_words, 64); LOSSLESS_TILE_DP(2, 4, 5); }
+      if constexpr (J > 3) { LOSSLESS_TILE_LOAD(6, bc + 3 * chunks * tile_words, 64); LOSSLESS_TILE_DP(3, 4, 6); }
     }
     amx_finish<0>(wt, m, r0, p, buf);
     if constexpr (J > 1) amx_finish<1>(wt, m, r0, p + 1, buf);
@@ -1029,6 +1047,7 @@ inline void amx_range(const Rows<at::BFloat16>& x, int64_t m, const Weight<at::B
   thread_local std::vector<uint32_t> b;
   alignas(64) float buf[16 * LANES];
   const TileHold hold(true);
+  if (!tile_emulation() && tile_shape_now() != tile_shape(m)) amx_configure(tile_shape(m));
   int64_t p = p0;
   if (m > 16) {  // two panels at a time, two row tiles at a time (5% faster at 17 and 32 rows than one by one)
     for (; p + 2 <= p1; p += 2) amx_panels<2>(x, m, wt, p, b, buf);
