@@ -19,6 +19,7 @@ import atexit
 import importlib.util
 import json
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -124,19 +125,31 @@ BUILT = ".built"  # written last: a build directory without it is unfinished and
 CMAKE_OPTIONS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF",
                  "-DLLAMA_USE_PREBUILT_UI=OFF"]
+# llama.cpp's own AMX kernels (quantized models on Intel CPUs with AMX) are left out on x86-64: built by GCC 12 they
+# fault on their tile configuration (`ldtilecfg`, the first quantized matrix product: llama-server dies by SIGSEGV or
+# SIGILL on an Intel Xeon with AMX); its AVX-512 kernels serve those models instead. bf16 models never took them.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def cmake_options() -> list[str]:
+    """The configure options of this machine's build (`CMAKE_OPTIONS`, and on x86-64 without llama.cpp's AMX kernels)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return list(CMAKE_OPTIONS)
+    return [*CMAKE_OPTIONS, f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
 
 
 TARGETS = ["llama-server", "llama-quantize", "llama-bench"]  # the benchmarks time llama.cpp with llama-bench
 
 
 def build_dir() -> Path:
-    """This CPU's build of the pinned release: native code, so one directory per release and instruction set."""
+    """This CPU's build of the pinned release: native code, so one directory per release, instruction set and
+    configure options."""
     import hashlib
 
     from ..decoding.kernels import cpu_flags
 
     root = Path(os.environ.get(BUILD_ENV) or cache_dir() / "llama.cpp").expanduser()
-    isa = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:10]
+    isa = hashlib.sha256((" ".join(sorted(cpu_flags())) + "\0" + " ".join(cmake_options())).encode()).hexdigest()[:10]
     return root / f"{RELEASE}-{isa}"
 
 
@@ -197,7 +210,7 @@ def _build_in(here: Path, jobs: int | None, env: dict) -> None:
          "-d", str(here), "-q"])
     run(["tar", "xzf", f"llama_cpp_python-{RELEASE}.tar.gz"])
     source = here / f"llama_cpp_python-{RELEASE}" / "vendor" / "llama.cpp"
-    run(["cmake", "-S", str(source), "-B", str(here / "build"), "-G", "Ninja", *CMAKE_OPTIONS])
+    run(["cmake", "-S", str(source), "-B", str(here / "build"), "-G", "Ninja", *cmake_options()])
     _build_targets(here, jobs, env)
     (here / BUILT).write_text(server_version(here / "build" / "bin" / "llama-server") + "\n")
 
