@@ -171,23 +171,25 @@ def test_every_variant_computes_amx_order_over_shapes_and_blocks(data):
 
 
 @pytest.mark.skipif("amx" not in VARIANTS, reason=f"the amx variant cannot run here: {kernels.amx_refusal()}")
-@pytest.mark.parametrize("rows", [1, 9, 16, 33])
-def test_amx_tiles_give_the_dot_product_variant_bits(rows):
-    """On a CPU with AMX: tiles from one row on (every call on tiles, 16-row tiles and a remainder) against the
-    AVX-512 BF16 variant, over a product of the embedded model's shapes, with a bias, at 1 and 2 threads."""
+@pytest.mark.parametrize("rows,n", [(1, 1536), (9, 1536), (16, 1536), (17, 1552), (32, 1552), (33, 1536)])
+def test_amx_tiles_give_the_dot_product_variant_bits(rows, n):
+    """On a CPU with AMX: tiles from one row on (every call on tiles; tiles as tall as the rows up to 16, two row
+    tiles a B tile past 16, the second as tall as the rows left up to 32, whole 16-row tiles and a remainder past
+    32; an odd panel left over) against the AVX-512 BF16 variant, over the embedded model's shapes, with a bias,
+    at 1 and 2 threads."""
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
-    w, bias = torch.randn(1536, 576, generator=g).to(torch.bfloat16), torch.randn(1536, generator=g).to(torch.bfloat16)
+    w, bias = torch.randn(n, 576, generator=g).to(torch.bfloat16), torch.randn(n, generator=g).to(torch.bfloat16)
     packed = kernels.pack_weight(w)
     with kernels.use_isa("avx512bf16"):
-        want = kernels.linear(x, packed, 1536, bias)
+        want = kernels.linear(x, packed, n, bias)
     before = torch.get_num_threads()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
             for tiles in (False, True):  # B tiles rebuilt from pair steps, and read in place from the tile layout
                 with kernels.use_isa("amx"), kernels.amx_rows(1):
-                    got = kernels.linear(x, kernels.pack_weight(w, tiles=tiles), 1536, bias)
+                    got = kernels.linear(x, kernels.pack_weight(w, tiles=tiles), n, bias)
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (threads, tiles)
     finally:
         torch.set_num_threads(before)
@@ -198,8 +200,8 @@ def test_the_amx_path_with_its_tile_instructions_written_out_reproduces_amx():
     """On any CPU that can run the amx variant's other instructions: its whole path (x in 16-row tiles in the
     inputs' own order, each chunk's B tiles rebuilt from the parity pairs or read from the tile layout, starting
     sums, remainders, stores) with only TDPBF16PS written out reproduces AMX's recorded outputs and the other
-    variants' bits. So on a CPU with AMX only the tile instructions themselves are new
-    (`test_amx_tiles_give_the_dot_product_variant_bits`)."""
+    variants' bits. The tile instructions, the tiles' shapes and the loop over two row tiles run on a CPU with AMX
+    only (`test_amx_tiles_give_the_dot_product_variant_bits`, the self-check)."""
     amx = kernels.extension().amx
     before = amx.amx_min_rows()
     amx.set_tile_emulation(True)
